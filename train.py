@@ -1,0 +1,87 @@
+"""Train an ImageNet-style classifier with Apex's command line on HuggingFace Accelerate.
+
+    python train.py                                   # digits demo, CPU or GPU
+    python train.py --opt-level O2 /data/imagenet     # one GPU
+    accelerate launch --config_file accelerate_configs/2gpu.yaml train.py --opt-level O1 /data/imagenet
+
+The story: parse flags -> resolve the precision recipe -> data -> model, optimizer (resumed if
+asked) -> per epoch: train, validate, checkpoint. Details live in utils/.
+"""
+import os
+
+import torch
+
+from utils.checkpoint import save_checkpoint
+from utils.cli import build_parser
+from utils.data import build_data, source_kind
+from utils.engine import train_one_epoch, validate
+from utils.errors import exit_on_usage_error
+from utils.profiling import NoPhases, NvtxWindow
+from utils.setup import build_training_state, make_accelerator, parse_args, resume_checkpoint, warn
+
+
+def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator):
+    return {
+        "epoch": epoch + 1,  # the next epoch to run, as Apex stores it
+        "arch": args.arch,
+        "state_dict": precision.fp32_state_dict(accelerator.unwrap_model(model)),
+        "optimizer": optimizer.state_dict(),
+        "loss_scale": precision.state_dict(),
+        "best_prec1": best_prec1,
+        "opt_level": recipe.opt_level,
+        "args": dict(vars(args)),
+    }
+
+
+def main(argv=None):
+    args = parse_args(build_parser(description=__doc__.splitlines()[0]), argv)
+    accelerator, recipe, notes = make_accelerator(args)
+    for note in notes:
+        warn(accelerator, note)
+    log = accelerator.print
+
+    data = build_data(args, accelerator)
+    num_classes = args.num_classes or data.num_classes
+    checkpoint = resume_checkpoint(args, accelerator)
+    model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
+
+    best_prec1 = 0.0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        precision.load_state_dict(checkpoint.get("loss_scale"))
+        args.start_epoch = checkpoint["epoch"]
+        best_prec1 = checkpoint.get("best_prec1", 0.0)
+        log(f"=> resumed {args.resume!r} at epoch {args.start_epoch} (best Prec@1 {best_prec1:.3f})")
+
+    global_batch = args.batch_size * accelerator.num_processes
+    log(f"=> {args.arch} on {source_kind(args.data) if args.data in (None, 'digits', 'synthetic') else args.data}"
+        f" | {num_classes} classes | {accelerator.num_processes} process(es) on {accelerator.device.type}"
+        f" | global batch {global_batch} | lr {args.lr * global_batch / 256:g}")
+    log(recipe.describe())
+    criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
+
+    if args.evaluate:
+        validate(model, data, precision, accelerator, args, criterion, log)
+        return
+
+    phases = NvtxWindow(args.prof) if args.prof >= 0 else NoPhases()
+    if args.prof >= 0 and not torch.cuda.is_available():
+        warn(accelerator, "--prof: no CUDA, so no NVTX ranges or cudaProfiler calls; the run still "
+                          f"stops after step {args.prof + 10}")
+    for epoch in range(args.start_epoch, args.epochs):
+        data.set_epoch(epoch)
+        torch.manual_seed(args.seed * 1000 + epoch * 7 + accelerator.process_index)  # dropout etc.
+        train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases, log)
+        if args.prof >= 0:
+            break
+        result = validate(model, data, precision, accelerator, args, criterion, log)
+        is_best = result.top1 > best_prec1
+        best_prec1 = max(result.top1, best_prec1)
+        state = checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator)
+        if accelerator.is_main_process:
+            save_checkpoint(state, is_best, args.output_dir)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    exit_on_usage_error(main)

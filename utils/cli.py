@@ -1,0 +1,176 @@
+"""The command line shared by train.py, eval.py and profile.py (Apex main_amp.py spellings)."""
+import argparse
+import os
+import sys
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+MIXED_PRECISIONS = ("no", "fp16", "bf16")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (plus a --help hint), exit code 2."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def str2bool(text):
+    """Parse True/False the way people type it; Apex's type=bool made 'False' mean True."""
+    value = str(text).strip().lower()
+    if value in ("true", "1", "yes", "y", "on"):
+        return True
+    if value in ("false", "0", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def loss_scale_type(text):
+    """'dynamic' or a positive float (a static scale)."""
+    if text == "dynamic":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'dynamic' or a positive number, got {text!r}")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a static loss scale must be a positive finite number, got {text!r}")
+    return value
+
+
+def opt_level_type(text):
+    level = text.upper().replace("0O", "O0")
+    if level not in OPT_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown opt level {text!r}; choose one of {', '.join(OPT_LEVELS)}")
+    return level
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def add_data_args(parser):
+    group = parser.add_argument_group("data")
+    group.add_argument("data", nargs="?", default=None, metavar="DATA",
+                       help="ImageFolder root holding train/ and val/, or 'digits' (built-in demo, "
+                            "the default when DATA is left out) or 'synthetic' (random tensors made "
+                            "on the device, for speed tests)")
+    group.add_argument("-j", "--workers", type=non_negative_int, default=None, metavar="N",
+                       help="data loading worker processes per process (default: 4; 2 for digits)")
+    group.add_argument("--image-size", type=positive_int, default=None, metavar="PX",
+                       help="training crop and validation crop size (default: 224; 32 for digits)")
+    group.add_argument("--crop-pct", type=float, default=0.875, metavar="F",
+                       help="validation resizes to image-size/crop-pct, then center-crops (default: 0.875)")
+    group.add_argument("--min-scale", type=float, default=None, metavar="F",
+                       help="smallest area fraction RandomResizedCrop keeps (default: 0.08; 0.35 for digits)")
+    group.add_argument("--hflip", type=float, default=None, metavar="P",
+                       help="probability of a horizontal flip in training (default: 0.5; 0 for digits, "
+                            "since a mirrored digit is another glyph)")
+    group.add_argument("--steps-per-epoch", type=non_negative_int, default=0, metavar="N",
+                       help="end each training epoch after N steps; 0 means the whole train split "
+                            "(default: 0; synthetic data has 100 steps an epoch unless set)")
+
+
+def add_model_args(parser):
+    group = parser.add_argument_group("model")
+    group.add_argument("-a", "--arch", default="resnet18", metavar="ARCH",
+                       help="a torchvision classification model name, or timm/<name> for a timm model "
+                            "(default: resnet18)")
+    group.add_argument("--pretrained", action="store_true",
+                       help="start from pretrained weights found in the local cache (never downloads)")
+    group.add_argument("--num-classes", type=positive_int, default=None, metavar="N",
+                       help="classifier outputs (default: the number of classes in the data)")
+
+
+def add_precision_args(parser):
+    group = parser.add_argument_group("precision (Apex amp opt levels on Accelerate)")
+    group.add_argument("--opt-level", type=opt_level_type, default=None, metavar="O0|O1|O2|O3",
+                       help="O0 fp32; O1 autocast; O2 half weights, fp32 BN and master weights; "
+                            "O3 pure half (default: from --mixed-precision: no -> O0, fp16/bf16 -> O1)")
+    group.add_argument("--keep-batchnorm-fp32", type=str2bool, default=None, metavar="True|False",
+                       help="keep BatchNorm in fp32 (default: True at O2, False at O3; an error at O1)")
+    group.add_argument("--loss-scale", type=loss_scale_type, default=None, metavar="dynamic|N",
+                       help="'dynamic', or a number for a static scale (default: dynamic for fp16 at "
+                            "O1/O2, none for bf16, static 1.0 at O3)")
+    group.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default=None,
+                       help="half dtype; overrides the Accelerate config / accelerate launch "
+                            "--mixed_precision (default: from Accelerate, else fp16 when an opt level "
+                            "above O0 is given, else no)")
+    group.add_argument("--channels-last", type=str2bool, nargs="?", const=True, default=False,
+                       metavar="True|False",
+                       help="channels_last memory format for model and inputs; '--channels-last' "
+                            "alone means True (default: False)")
+
+
+def add_run_args(parser):
+    group = parser.add_argument_group("run")
+    group.add_argument("-b", "--batch-size", type=positive_int, default=None, metavar="N",
+                       help="mini-batch size per process (default: 256; 64 for digits)")
+    group.add_argument("-p", "--print-freq", type=positive_int, default=10, metavar="N",
+                       help="print (and reduce metrics across processes) every N steps (default: 10)")
+    group.add_argument("--resume", default="", metavar="PATH",
+                       help="checkpoint to resume from (default: none)")
+    group.add_argument("--deterministic", action="store_true",
+                       help="bitwise repeatable runs: deterministic cuDNN/cuBLAS algorithms, "
+                            "no cudnn.benchmark")
+    group.add_argument("--seed", type=int, default=0,
+                       help="seed for weights, shuffling and augmentation (default: 0)")
+    group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
+                       default=int(os.environ.get("LOCAL_RANK", 0)), metavar="N",
+                       help="accepted for torch.distributed.launch; the LOCAL_RANK environment "
+                            "variable is what counts")
+    group.add_argument("--sync_bn", "--sync-bn", dest="sync_bn", action="store_true",
+                       help="SyncBatchNorm across processes (several CUDA processes only)")
+    group.add_argument("--prof", type=int, default=-1, metavar="N",
+                       help="profile: NVTX ranges, cudaProfilerStart at step N, stop and exit 10 "
+                            "steps later (default: -1, off)")
+    group.add_argument("--output-dir", default=".", metavar="DIR",
+                       help="where checkpoints and logs go (default: the working directory)")
+
+
+def add_training_args(parser):
+    group = parser.add_argument_group("training")
+    group.add_argument("--epochs", type=positive_int, default=None, metavar="N",
+                       help="total epochs (default: 90; 12 for digits)")
+    group.add_argument("--start-epoch", type=non_negative_int, default=0, metavar="N",
+                       help="epoch to start at; --resume sets it from the checkpoint (default: 0)")
+    group.add_argument("--lr", type=float, default=0.1, metavar="LR",
+                       help="learning rate for a global batch of 256; scaled by global batch/256 "
+                            "(default: 0.1)")
+    group.add_argument("--lr-schedule", choices=("step", "cosine"), default="step",
+                       help="step: x0.1 at epochs 30, 60, 80 (Apex); cosine: to 0 at the last "
+                            "epoch (default: step)")
+    group.add_argument("--warmup-epochs", type=non_negative_int, default=5, metavar="N",
+                       help="linear LR warmup epochs (default: 5)")
+    group.add_argument("--momentum", type=float, default=0.9, metavar="M", help="SGD momentum (default: 0.9)")
+    group.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4,
+                       metavar="W", help="weight decay (default: 1e-4)")
+    group.add_argument("-e", "--evaluate", action="store_true",
+                       help="only evaluate the model on the val split, then exit")
+
+
+def build_parser(description, prog=None):
+    """The full shared parser; each script adds its own flags on top."""
+    parser = OneLineErrorParser(prog=prog, description=description)
+    add_data_args(parser)
+    add_model_args(parser)
+    add_precision_args(parser)
+    add_run_args(parser)
+    add_training_args(parser)
+    return parser

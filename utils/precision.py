@@ -1,0 +1,302 @@
+"""Apex opt levels (O0..O3) as recipes over the half dtype that Accelerate's mixed_precision names.
+
+Accelerate decides *which* half dtype (fp16 or bf16, from the launch config, the environment or
+--mixed-precision); the recipe decides *how* it is used: autocast (O1), a half model with fp32
+BatchNorm and fp32 master weights (O2), or a pure half model (O3), and how the loss is scaled.
+
+Loss scaling never syncs with the host: the overflow check, the skip of an overflowed step (the
+fused SGD kernel reads the found-inf flag on the device), the scale update and the skip counter
+all stay on the device, so metrics are read only where the log prints them.
+"""
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import UsageError
+
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DYNAMIC_INIT_SCALE = 2.0 ** 16
+DYNAMIC_GROWTH_INTERVAL = 2000
+DYNAMIC_MAX_SCALE = 2.0 ** 24
+
+
+@dataclass(frozen=True)
+class Recipe:
+    opt_level: str          # O0 | O1 | O2 | O3
+    dtype_name: str         # 'no' (fp32, O0 only) | 'fp16' | 'bf16'
+    keep_bn_fp32: bool      # only meaningful at O2/O3
+    loss_scale: object      # None | 'dynamic' | float (static)
+
+    @property
+    def half_dtype(self):
+        return HALF_DTYPES.get(self.dtype_name)
+
+    @property
+    def autocast(self):
+        return self.opt_level == "O1"
+
+    @property
+    def cast_model(self):
+        return self.opt_level in ("O2", "O3")
+
+    @property
+    def master_weights(self):
+        return self.opt_level == "O2"
+
+    def describe(self):
+        """One line that says what was resolved, e.g. for the startup log."""
+        half = self.dtype_name
+        if self.opt_level == "O0":
+            parts = "weights fp32, BN fp32, optimizer fp32"
+            half = "fp32"
+        elif self.opt_level == "O1":
+            parts = f"autocast {half}, weights fp32, BN fp32, optimizer fp32"
+        else:
+            bn = "fp32" if self.keep_bn_fp32 else "half"
+            master = "master fp32" if self.master_weights else "no master (optimizer on half weights)"
+            parts = f"weights half, BN {bn}, {master}"
+        if self.loss_scale is None:
+            scale = "none"
+        elif self.loss_scale == "dynamic":
+            scale = f"dynamic ({DYNAMIC_INIT_SCALE:g})"
+        else:
+            scale = f"static {self.loss_scale:g}"
+        return f"precision: {self.opt_level} {half} | {parts} | loss scale {scale}"
+
+
+def requested_mixed_precision(flag_value):
+    """The half dtype asked for and where it came from: the script's flag, else Accelerate's env."""
+    if flag_value is not None:
+        return flag_value, "--mixed-precision"
+    env = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if env:
+        return env.lower(), "the Accelerate config"
+    return None, None
+
+
+def resolve_recipe(opt_level, keep_bn_fp32, loss_scale, mixed_precision, mp_source=None):
+    """Turn the Apex flags plus Accelerate's mixed_precision into a Recipe.
+
+    Returns (recipe, notes): notes are warnings for the user (flags with no effect and why).
+    Raises UsageError for combinations Apex refused too.
+    """
+    notes = []
+    if mixed_precision not in (None, "no", "fp16", "bf16"):
+        raise UsageError(f"mixed precision {mixed_precision!r} from {mp_source} is not supported here; "
+                         "use no, fp16 or bf16")
+    if opt_level is None:
+        opt_level = "O1" if mixed_precision in HALF_DTYPES else "O0"
+
+    if opt_level == "O0":
+        if mixed_precision in HALF_DTYPES:
+            notes.append(f"O0 runs in fp32; mixed precision {mixed_precision} from {mp_source} is not used")
+        dtype_name = "no"
+    else:
+        if mixed_precision == "no" and mp_source == "--mixed-precision":
+            raise UsageError(f"--mixed-precision no contradicts --opt-level {opt_level}; drop one of them "
+                             "(O0 is fp32)")
+        dtype_name = mixed_precision if mixed_precision in HALF_DTYPES else "fp16"
+
+    if opt_level == "O1" and keep_bn_fp32 is not None:
+        raise UsageError("--keep-batchnorm-fp32 cannot be used with --opt-level O1: autocast already runs "
+                         "BatchNorm in fp32; drop the flag or use O2/O3")
+    if opt_level == "O0":
+        if keep_bn_fp32 is not None:
+            notes.append("--keep-batchnorm-fp32 has no effect at O0 (everything is fp32); ignored")
+        keep_bn = False
+    elif opt_level == "O1":
+        keep_bn = False
+    else:
+        keep_bn = (opt_level == "O2") if keep_bn_fp32 is None else keep_bn_fp32
+
+    if opt_level == "O0":
+        if loss_scale is not None:
+            notes.append(f"--loss-scale {loss_scale} has no effect in fp32 (O0); not applied")
+        scale = None
+    elif loss_scale is not None:
+        scale = loss_scale
+    elif opt_level == "O3":
+        scale = 1.0
+    else:
+        scale = "dynamic" if dtype_name == "fp16" else None
+    return Recipe(opt_level, dtype_name, keep_bn, scale), notes
+
+
+def cpu_fp16_note(recipe, device_type):
+    """Accelerate alone silently trains fp16 runs in fp32 on a CPU; say what happens here instead."""
+    if device_type != "cuda" and recipe.dtype_name == "fp16":
+        return ("fp16 on a machine without CUDA: running real fp16 on the CPU through torch's CPU "
+                "kernels (slow; Accelerate alone would silently use fp32). --mixed-precision bf16 is "
+                "usually faster on CPUs")
+    return None
+
+
+class LossScaler:
+    """Static or dynamic loss scale whose overflow check and update never leave the device."""
+
+    def __init__(self, loss_scale, device):
+        self.dynamic = loss_scale == "dynamic"
+        init = DYNAMIC_INIT_SCALE if self.dynamic else float(loss_scale)
+        self.scale = torch.full((), init, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.skipped = torch.zeros((), dtype=torch.float32, device=device)
+        self.growth_interval = DYNAMIC_GROWTH_INTERVAL
+
+    def scale_loss(self, loss):
+        return loss * self.scale
+
+    def unscale_and_check(self, grads):
+        """Divide grads by the scale in place; return a 0-d tensor, 1.0 when any grad is inf/NaN."""
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.scale.device)
+        inv_scale = self.scale.double().reciprocal().float()
+        by_dtype = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+        return found_inf
+
+    def update(self, found_inf):
+        self.skipped.add_(found_inf)
+        if self.dynamic:
+            torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5,
+                                     self.growth_interval)
+            self.scale.clamp_(max=DYNAMIC_MAX_SCALE)
+
+    def state_dict(self):
+        return {"dynamic": self.dynamic, "scale": float(self.scale), "skipped": int(self.skipped),
+                "growth_tracker": int(self.growth_tracker)}
+
+    def load_state_dict(self, state):
+        self.skipped.fill_(state["skipped"])
+        if self.dynamic and state.get("dynamic"):
+            self.scale.fill_(state["scale"])
+            self.growth_tracker.fill_(state["growth_tracker"])
+
+
+def _is_batchnorm(module):
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def _cast_floats(obj, dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floats(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        return {key: _cast_floats(value, dtype) for key, value in obj.items()}
+    return obj
+
+
+def cast_model(model, dtype, keep_bn_fp32):
+    """Cast every parameter and floating buffer to dtype, BatchNorm layers excepted if asked."""
+    for module in model.modules():
+        if keep_bn_fp32 and _is_batchnorm(module):
+            continue
+        module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+    return model
+
+
+class Precision:
+    """Applies a Recipe to a model and runs backward/step the way the recipe says."""
+
+    def __init__(self, recipe, model, device_type):
+        self.recipe = recipe
+        self.device_type = device_type
+        device = next(model.parameters()).device
+        self.scaler = LossScaler(recipe.loss_scale, device) if recipe.loss_scale is not None else None
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        if recipe.cast_model:
+            cast_model(model, recipe.half_dtype, recipe.keep_bn_fp32)
+            half = recipe.half_dtype
+            # Inputs in half for the half model; logits back in fp32 so the loss is computed in fp32.
+            model.register_forward_pre_hook(lambda module, args: _cast_floats(args, half))
+            model.register_forward_hook(lambda module, args, output: _cast_floats(output, torch.float32))
+        # O2: fp32 masters for the half params; fp32 params (kept BatchNorm) are their own masters.
+        self.master_of = {}
+        if recipe.master_weights:
+            for param in self.model_params:
+                if param.dtype != torch.float32:
+                    self.master_of[param] = param.detach().float().requires_grad_(True)
+
+    def optimizer_params(self):
+        """What the optimizer updates: fp32 masters at O2, the model's own parameters otherwise."""
+        return [self.master_of.get(p, p) for p in self.model_params]
+
+    def autocast(self):
+        if self.recipe.autocast:
+            return torch.autocast(self.device_type, dtype=self.recipe.half_dtype)
+        return contextlib.nullcontext()
+
+    def backward(self, loss, accelerator):
+        accelerator.backward(self.scaler.scale_loss(loss) if self.scaler is not None else loss)
+
+    @torch.no_grad()
+    def step(self, optimizer):
+        """Copy grads to masters (O2), unscale and check, step (skipped on the device on inf/NaN)."""
+        half_grads, master_grads = [], []
+        for param, master in self.master_of.items():
+            if param.grad is None:
+                master.grad = None
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master)
+            half_grads.append(param.grad)
+            master_grads.append(master.grad)
+        if half_grads:
+            torch._foreach_copy_(master_grads, half_grads)
+        raw = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps the torch optimizer
+        found_inf = None
+        if self.scaler is not None:
+            grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
+            found_inf = self.scaler.unscale_and_check(grads)
+        raw.found_inf = found_inf  # read by the fused SGD kernel: it leaves everything as is when 1
+        optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if self.master_of:
+            torch._foreach_copy_(list(self.master_of), list(self.master_of.values()))
+
+    def zero_grad(self, model, optimizer):
+        optimizer.zero_grad(set_to_none=True)
+        if self.master_of:
+            model.zero_grad(set_to_none=True)
+
+    def fp32_state_dict(self, model):
+        """The model's state_dict with fp32 weights (the masters at O2), loadable at any level."""
+        names = {id(p): name for name, p in model.named_parameters()}
+        state = model.state_dict()
+        for param, master in self.master_of.items():
+            state[names[id(param)]] = master.detach()
+        return {key: (value.detach().float() if value.is_floating_point() else value.detach()).cpu()
+                for key, value in state.items()}
+
+    def loss_scale_value(self):
+        return self.scaler.scale if self.scaler is not None else None
+
+    def skipped_steps(self):
+        return self.scaler.skipped if self.scaler is not None else None
+
+    def state_dict(self):
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state):
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def build_sgd(params, lr, momentum, weight_decay):
+    """Fused SGD (it honours the on-device found_inf flag), with momentum buffers made up front.
+
+    The fused kernel starts a momentum buffer from the first grad it applies; if that first step
+    is an overflow skip, the buffer would be left uninitialised. Zero buffers are equivalent
+    (momentum*0 + grad) and keep a skipped first step harmless.
+    """
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, fused=True)
+    if momentum:
+        for param in params:
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return optimizer
