@@ -187,3 +187,13 @@ def test_loss_scale_state_round_trips(accelerator):
     _, fresh, _ = setup("O2", "fp16")
     fresh.load_state_dict(state)
     assert float(fresh.loss_scale_value()) == 32768.0 and int(fresh.skipped_steps()) == 1
+
+
+def test_o2_masters_keep_the_fp32_bits_they_were_built_from():
+    recipe, _ = resolve_recipe("O2", None, None, "bf16", None)
+    torch.manual_seed(0)
+    model = TinyNet()
+    original = model.conv.weight.detach().clone()
+    precision = Precision(recipe, model, "cpu")
+    assert torch.equal(precision.master_of[model.conv.weight], original)
+    assert not torch.equal(original.to(torch.bfloat16).float(), original)

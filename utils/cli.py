@@ -72,7 +72,8 @@ def add_data_args(parser):
                             "the default when DATA is left out) or 'synthetic' (random tensors made "
                             "on the device, for speed tests)")
     group.add_argument("-j", "--workers", type=non_negative_int, default=None, metavar="N",
-                       help="data loading worker processes per process (default: 4; 2 for digits)")
+                       help="data loading worker processes per process (default: 4; 2 for digits; "
+                            "never more than the CPU cores available)")
     group.add_argument("--image-size", type=positive_int, default=None, metavar="PX",
                        help="training crop and validation crop size (default: 224; 32 for digits)")
     group.add_argument("--crop-pct", type=float, default=0.875, metavar="F",

@@ -47,6 +47,8 @@ def apply_source_defaults(args):
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+            if name == "workers":  # the default never asks for more workers than there are cores
+                args.workers = min(value, len(os.sched_getaffinity(0)))
     return args
 
 

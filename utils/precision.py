@@ -209,6 +209,9 @@ class Precision:
         device = next(model.parameters()).device
         self.scaler = LossScaler(recipe.loss_scale, device) if recipe.loss_scale is not None else None
         self.model_params = [p for p in model.parameters() if p.requires_grad]
+        # O2 masters are copied before the cast, so they keep every fp32 bit (e.g. after a resume).
+        fp32_copies = ({p: p.detach().clone().float().requires_grad_(True) for p in self.model_params}
+                       if recipe.master_weights else {})
         if recipe.cast_model:
             cast_model(model, recipe.half_dtype, recipe.keep_bn_fp32)
             half = recipe.half_dtype
@@ -216,11 +219,7 @@ class Precision:
             model.register_forward_pre_hook(lambda module, args: _cast_floats(args, half))
             model.register_forward_hook(lambda module, args, output: _cast_floats(output, torch.float32))
         # O2: fp32 masters for the half params; fp32 params (kept BatchNorm) are their own masters.
-        self.master_of = {}
-        if recipe.master_weights:
-            for param in self.model_params:
-                if param.dtype != torch.float32:
-                    self.master_of[param] = param.detach().float().requires_grad_(True)
+        self.master_of = {p: copy for p, copy in fp32_copies.items() if p.dtype != torch.float32}
 
     def optimizer_params(self):
         """What the optimizer updates: fp32 masters at O2, the model's own parameters otherwise."""
