@@ -1,0 +1,97 @@
+"""fp16 paths on a CUDA GPU (skipped without CUDA): the shim on real half kernels, and train.py."""
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_script
+from test_precision import TinyNet
+from test_train import APEX_LINE, FINAL, QUICK, losses
+from utils.precision import Precision, build_sgd, resolve_recipe
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+    return Accelerator(mixed_precision="no")
+
+
+def cuda_setup(level, keep_bn=None, loss_scale=None, channels_last=False):
+    recipe, _ = resolve_recipe(level, keep_bn, loss_scale, "fp16", None)
+    torch.manual_seed(0)
+    model = TinyNet().cuda()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    precision = Precision(recipe, model, "cuda")
+    optimizer = build_sgd(precision.optimizer_params(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    return model, precision, optimizer
+
+
+def step(model, precision, optimizer, accelerator, poison=None):
+    x = torch.randn(8, 3, 8, 8, device="cuda")
+    y = torch.randint(0, 4, (8,), device="cuda")
+    with precision.autocast():
+        out = model(x)
+        loss = nn.functional.cross_entropy(out, y)
+    precision.backward(loss, accelerator)
+    if poison is not None:
+        next(model.parameters()).grad.view(-1)[0] = poison
+    precision.step(optimizer)
+    precision.zero_grad(model, optimizer)
+    return out
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fp16_levels_train_skip_and_scale_on_cuda(accelerator, level, channels_last):
+    model, precision, optimizer = cuda_setup(level, loss_scale="dynamic", channels_last=channels_last)
+    precision.scaler.growth_interval = 2
+    out = step(model, precision, optimizer, accelerator)
+    assert out.dtype == torch.float32
+    weights = [p.detach().clone() for p in model.parameters()]
+    step(model, precision, optimizer, accelerator, poison=float("inf"))
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert int(precision.skipped_steps()) == 1 and float(precision.loss_scale_value()) == 32768.0
+    step(model, precision, optimizer, accelerator)
+    step(model, precision, optimizer, accelerator)
+    assert float(precision.loss_scale_value()) == 65536.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if level == "O2":
+        for param, master in precision.master_of.items():
+            assert torch.equal(param.detach(), master.detach().half())
+
+
+def test_o3_keep_bn_and_static_scale_on_cuda(accelerator):
+    model, precision, optimizer = cuda_setup("O3", keep_bn=True)
+    assert model.bn.weight.dtype == torch.float32 and model.conv.weight.dtype == torch.float16
+    step(model, precision, optimizer, accelerator, poison=float("nan"))
+    step(model, precision, optimizer, accelerator)
+    assert float(precision.loss_scale_value()) == 1.0 and int(precision.skipped_steps()) == 1
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_train_py_fp16_on_gpu(cache_dir, tmp_path, level):
+    result = run_script("train.py", "--opt-level", level, "--channels-last", "True", "--epochs", "2",
+                        "--output-dir", tmp_path, *QUICK)
+    assert result.returncode == 0, result.stderr
+    assert f"precision: {level} fp16" in result.stdout
+    assert re.search(r"Skipped \d+\tScale [\d.e+]+", result.stdout)
+    assert len(FINAL.findall(result.stdout)) == 2
+    state = torch.load(tmp_path / "checkpoint.pth.tar", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in state["state_dict"].values() if v.is_floating_point())
+
+
+def test_deterministic_gpu_runs_repeat_and_resume_exactly(cache_dir, tmp_path):
+    common = ["--deterministic", "--opt-level", "O2", *QUICK]
+    runs = [run_script("train.py", "--epochs", "2", "--output-dir", tmp_path / str(i), *common) for i in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert losses(runs[0].stdout) == losses(runs[1].stdout) and len(losses(runs[0].stdout)) == 8
+    resumed = run_script("train.py", "--epochs", "3", "--output-dir", tmp_path / "0",
+                         "--resume", tmp_path / "0" / "checkpoint.pth.tar", *common)
+    straight = run_script("train.py", "--epochs", "3", "--output-dir", tmp_path / "s", *common)
+    assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr + straight.stderr
+    assert losses(straight.stdout)[-4:] == losses(resumed.stdout)
