@@ -50,7 +50,8 @@ def test_fp16_levels_train_skip_and_scale_on_cuda(accelerator, level, channels_l
     model, precision, optimizer = cuda_setup(level, loss_scale="dynamic", channels_last=channels_last)
     precision.scaler.growth_interval = 2
     out = step(model, precision, optimizer, accelerator)
-    assert out.dtype == torch.float32
+    # O1 logits come out of autocast in fp16; O2/O3 hand back fp32 logits.
+    assert out.dtype == (torch.float16 if level == "O1" else torch.float32)
     weights = [p.detach().clone() for p in model.parameters()]
     step(model, precision, optimizer, accelerator, poison=float("inf"))
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
