@@ -54,3 +54,10 @@ def run_script(script, *args, env=None, cwd=None, timeout=600):
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
                           capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def accelerator():
+    """One Accelerator for the whole session: Accelerate allows one state per process."""
+    from accelerate import Accelerator
+    return Accelerator(mixed_precision="no")

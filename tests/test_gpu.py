@@ -13,11 +13,6 @@ from utils.precision import Precision, build_sgd, resolve_recipe
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def accelerator():
-    from accelerate import Accelerator
-    return Accelerator(mixed_precision="no")
-
 
 def cuda_setup(level, keep_bn=None, loss_scale=None, channels_last=False):
     recipe, _ = resolve_recipe(level, keep_bn, loss_scale, "fp16", None)
@@ -38,7 +33,8 @@ def step(model, precision, optimizer, accelerator, poison=None):
         loss = nn.functional.cross_entropy(out, y)
     precision.backward(loss, accelerator)
     if poison is not None:
-        next(model.parameters()).grad.view(-1)[0] = poison
+        grad = next(model.parameters()).grad
+        grad[(0,) * grad.dim()] = poison  # indexing, not view(): channels_last grads too
     precision.step(optimizer)
     precision.zero_grad(model, optimizer)
     return out

@@ -20,11 +20,6 @@ class TinyNet(nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
 
 
-@pytest.fixture(scope="module")
-def accelerator():
-    from accelerate import Accelerator
-    return Accelerator(cpu=True, mixed_precision="no")
-
 
 def setup(level, dtype_name, keep_bn=None, loss_scale=None):
     recipe, _ = resolve_recipe(level, keep_bn, loss_scale, dtype_name, "--mixed-precision")
@@ -43,7 +38,8 @@ def train_step(model, precision, optimizer, accelerator, poison=None):
         loss = nn.functional.cross_entropy(out, y)
     precision.backward(loss, accelerator)
     if poison is not None:
-        next(model.parameters()).grad.view(-1)[0] = poison
+        grad = next(model.parameters()).grad
+        grad[(0,) * grad.dim()] = poison  # indexing, not view(): channels_last grads too
     precision.step(optimizer)
     precision.zero_grad(model, optimizer)
     return out
