@@ -12,15 +12,17 @@ import os
 import torch
 
 from utils.checkpoint import save_checkpoint
-from utils.cli import build_parser
+from utils.cli import add_log_args, build_parser
 from utils.data import build_data, source_kind
 from utils.engine import train_one_epoch, validate
 from utils.errors import exit_on_usage_error
+from utils.logs import Progress, RunLog, tracker_kwargs
 from utils.profiling import NoPhases, NvtxWindow
 from utils.setup import build_training_state, make_accelerator, parse_args, resume_checkpoint, warn
 
 
-def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator):
+def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
+                     num_classes=None, classes=None):
     return {
         "epoch": epoch + 1,  # the next epoch to run, as Apex stores it
         "arch": args.arch,
@@ -29,18 +31,22 @@ def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec
         "loss_scale": precision.state_dict(),
         "best_prec1": best_prec1,
         "opt_level": recipe.opt_level,
+        "mixed_precision": recipe.dtype_name,  # the half dtype in use; eval.py evaluates with it
+        "num_classes": num_classes,
+        "classes": classes,  # class names in label order: eval.py refuses data with other classes
         "args": dict(vars(args)),
     }
 
 
 def main(argv=None):
-    args = parse_args(build_parser(description=__doc__.splitlines()[0]), argv)
-    accelerator, recipe, notes = make_accelerator(args)
+    args = parse_args(add_log_args(build_parser(description=__doc__.splitlines()[0])), argv)
+    accelerator, recipe, notes = make_accelerator(args, **tracker_kwargs(args))
     for note in notes:
         warn(accelerator, note)
-    log = accelerator.print
+    progress = Progress(accelerator)  # a bar on a terminal; log lines print above it
+    log = progress.print
 
-    data = build_data(args, accelerator)
+    data = build_data(args, accelerator, train=not args.evaluate)  # -e reads the val split only
     num_classes = args.num_classes or data.num_classes
     checkpoint = resume_checkpoint(args, accelerator)
     model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
@@ -61,8 +67,10 @@ def main(argv=None):
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
 
     if args.evaluate:
-        validate(model, data, precision, accelerator, args, criterion, log)
+        validate(model, data, precision, accelerator, args, criterion, log, progress)
         return
+
+    run_log = RunLog(args, accelerator)  # args.yaml now; summary.csv, curves.png, trackers per epoch
 
     phases = NvtxWindow(args.prof) if args.prof >= 0 else NoPhases()
     if args.prof >= 0 and not torch.cuda.is_available():
@@ -71,15 +79,21 @@ def main(argv=None):
     for epoch in range(args.start_epoch, args.epochs):
         data.set_epoch(epoch)
         torch.manual_seed(args.seed * 1000 + epoch * 7 + accelerator.process_index)  # dropout etc.
-        train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases, log)
+        trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
+                                  phases, log, progress)
         if args.prof >= 0:
-            break
-        result = validate(model, data, precision, accelerator, args, criterion, log)
+            if phases.finished:
+                break
+            continue  # the window lies in a later epoch (NvtxWindow counts steps across epochs)
+        result = validate(model, data, precision, accelerator, args, criterion, log, progress)
         is_best = result.top1 > best_prec1
         best_prec1 = max(result.top1, best_prec1)
-        state = checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator)
+        state = checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
+                                 num_classes, data.classes)
         if accelerator.is_main_process:
             save_checkpoint(state, is_best, args.output_dir)
+        run_log.epoch(epoch, trained, result, optimizer)
+    run_log.finish()
     accelerator.end_training()
 
 

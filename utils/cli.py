@@ -10,9 +10,22 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line (plus a --help hint), exit code 2."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", FlagSafeHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+
+class FlagSafeHelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, except that wrapping never splits a flag named in help text
+    (--prof-steps) at its hyphens, so a reader (or a docs check) sees whole flag names."""
+
+    def _split_lines(self, text, width):
+        import textwrap
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def str2bool(text):
@@ -68,16 +81,22 @@ def non_negative_int(text):
 def add_data_args(parser):
     group = parser.add_argument_group("data")
     group.add_argument("data", nargs="?", default=None, metavar="DATA",
-                       help="ImageFolder root holding train/ and val/, or 'digits' (built-in demo, "
-                            "the default when DATA is left out) or 'synthetic' (random tensors made "
-                            "on the device, for speed tests)")
+                       help="ImageFolder root holding train/ and val/; a Hugging Face datasets "
+                            "directory written by save_to_disk; hf:NAME (a hub dataset from the local "
+                            "cache, never downloaded) or hf:DIR (DIR loaded by datasets.load_dataset, "
+                            "e.g. an imagefolder); 'digits' (built-in demo, the default when DATA is "
+                            "left out) or 'synthetic' (random tensors made on the device, for speed tests)")
     group.add_argument("-j", "--workers", type=non_negative_int, default=None, metavar="N",
                        help="data loading worker processes per process (default: 4; 2 for digits; "
                             "never more than the CPU cores available)")
     group.add_argument("--image-size", type=positive_int, default=None, metavar="PX",
-                       help="training crop and validation crop size (default: 224; 32 for digits)")
-    group.add_argument("--crop-pct", type=float, default=0.875, metavar="F",
-                       help="validation resizes to image-size/crop-pct, then center-crops (default: 0.875)")
+                       help="training crop and validation crop size (default: a timm model's own "
+                            "input size, else 224; 32 for digits)")
+    group.add_argument("--crop-pct", type=float, default=None, metavar="F",
+                       help="validation resizes to image-size/crop-pct, then center-crops (default: a "
+                            "timm model's own, else 0.875)")
+    group.add_argument("--interpolation", choices=("bilinear", "bicubic", "nearest"), default=None,
+                       help="resampling for crops and resizes (default: a timm model's own, else bilinear)")
     group.add_argument("--min-scale", type=float, default=None, metavar="F",
                        help="smallest area fraction RandomResizedCrop keeps (default: 0.08; 0.35 for digits)")
     group.add_argument("--hflip", type=float, default=None, metavar="P",
@@ -86,6 +105,20 @@ def add_data_args(parser):
     group.add_argument("--steps-per-epoch", type=non_negative_int, default=0, metavar="N",
                        help="end each training epoch after N steps; 0 means the whole train split "
                             "(default: 0; synthetic data has 100 steps an epoch unless set)")
+
+
+def add_datasets_args(parser):
+    group = parser.add_argument_group("Hugging Face datasets (DATA = hf:NAME, hf:DIR or a save_to_disk directory)")
+    group.add_argument("--train-split", default=None, metavar="NAME",
+                       help="split to train on (default: train)")
+    group.add_argument("--val-split", default=None, metavar="NAME",
+                       help="split to validate on (default: validation, else val or valid; with -e "
+                            "or eval.py on a dataset of one split, that split)")
+    group.add_argument("--image-column", default=None, metavar="NAME",
+                       help="column holding the images (default: the column with the Image feature)")
+    group.add_argument("--label-column", default=None, metavar="NAME",
+                       help="column holding the integer class labels (default: the ClassLabel column, "
+                            "else one named label, labels or target)")
 
 
 def add_model_args(parser):
@@ -166,10 +199,22 @@ def add_training_args(parser):
                        help="only evaluate the model on the val split, then exit")
 
 
+def add_log_args(parser):
+    """train.py's run-log flags (utils/logs.py); returns the parser so calls can be chained."""
+    group = parser.add_argument_group("logs (written into --output-dir by the main process)")
+    group.add_argument("--log-with", choices=("none", "tensorboard", "wandb", "all"), default="none",
+                       help="also send per-epoch metrics to TensorBoard (OUTPUT_DIR/runs/), Weights & "
+                            "Biases (set WANDB_MODE=offline to run without network), or both; "
+                            "args.yaml, summary.csv and curves.png are always written; -e writes "
+                            "none of these (default: none)")
+    return parser
+
+
 def build_parser(description, prog=None):
     """The full shared parser; each script adds its own flags on top."""
     parser = OneLineErrorParser(prog=prog, description=description)
     add_data_args(parser)
+    add_datasets_args(parser)
     add_model_args(parser)
     add_precision_args(parser)
     add_run_args(parser)

@@ -25,30 +25,40 @@ SYNTHETIC_STEPS = 100
 SYNTHETIC_VAL_STEPS = 10
 SYNTHETIC_CLASSES = 1000
 
-# Defaults that depend on the source; a flag given on the command line always wins.
+# Defaults that depend on the source; a flag given on the command line always wins. mean and std
+# are no flags: they come from the model (utils.models.model_data_config) or these defaults.
 SOURCE_DEFAULTS = {
     "digits": dict(epochs=12, batch_size=64, image_size=32, min_scale=0.35, hflip=0.0, workers=2),
-    "default": dict(epochs=90, batch_size=256, image_size=224, min_scale=0.08, hflip=0.5, workers=4),
+    "default": dict(epochs=90, batch_size=256, image_size=224, min_scale=0.08, hflip=0.5, workers=4,
+                    crop_pct=0.875, interpolation="bilinear", mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD)),
 }
 
 
 def source_kind(data):
-    """'digits', 'synthetic' or 'imagefolder' for the DATA argument."""
+    """'digits', 'synthetic', 'datasets' (hf:NAME, hf:DIR or a save_to_disk directory; see
+    utils/hf_data.py) or 'imagefolder' for the DATA argument."""
+    from .hf_data import is_saved_dataset
+
     if data in (None, "digits"):
         return "digits"
     if data == "synthetic":
         return "synthetic"
+    if data.startswith("hf:") or is_saved_dataset(data):
+        return "datasets"
     return "imagefolder"
 
 
-def apply_source_defaults(args):
-    """Fill flags left at None with the defaults of the data source (digits is small and grey)."""
-    defaults = SOURCE_DEFAULTS["digits" if source_kind(args.data) == "digits" else "default"]
-    for name, value in defaults.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-            if name == "workers":  # the default never asks for more workers than there are cores
-                args.workers = min(value, len(os.sched_getaffinity(0)))
+def apply_source_defaults(args, model_config=None):
+    """Fill flags left at None: first the digits demo's own sizes (digits is small and grey), then
+    the model's data config (a timm model's input size, crop pct, interpolation, mean/std), then the
+    ImageNet defaults."""
+    layers = [SOURCE_DEFAULTS["digits"]] if source_kind(args.data) == "digits" else []
+    for defaults in layers + [model_config or {}, SOURCE_DEFAULTS["default"]]:
+        for name, value in defaults.items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
+                if name == "workers":  # the default never asks for more workers than there are cores
+                    args.workers = min(value, len(os.sched_getaffinity(0)))
     return args
 
 
@@ -89,24 +99,26 @@ def ensure_digits(root=None):
     return root
 
 
-def train_transform(image_size, min_scale, hflip):
-    steps = [transforms.RandomResizedCrop(image_size, scale=(min_scale, 1.0))]
+def train_transform(image_size, min_scale, hflip, interpolation="bilinear"):
+    mode = transforms.InterpolationMode(interpolation)
+    steps = [transforms.RandomResizedCrop(image_size, scale=(min_scale, 1.0), interpolation=mode)]
     if hflip > 0:
         steps.append(transforms.RandomHorizontalFlip(hflip))
     return transforms.Compose(steps)
 
 
-def val_transform(image_size, crop_pct):
-    return transforms.Compose([transforms.Resize(int(math.floor(image_size / crop_pct))),
+def val_transform(image_size, crop_pct, interpolation="bilinear"):
+    mode = transforms.InterpolationMode(interpolation)
+    return transforms.Compose([transforms.Resize(int(math.floor(image_size / crop_pct)), interpolation=mode),
                                transforms.CenterCrop(image_size)])
 
 
-def check_image_folder(path):
-    """Clear messages for the usual ImageFolder layout mistakes."""
+def check_image_folder(path, splits=("train", "val")):
+    """Clear messages for the usual ImageFolder layout mistakes. Evaluation needs val/ only."""
     if not os.path.isdir(path):
         raise UsageError(f"data directory {path!r} does not exist; give an ImageFolder root holding "
                          "train/ and val/, or leave DATA out for the digits demo")
-    for split in ("train", "val"):
+    for split in splits:
         split_dir = os.path.join(path, split)
         if not os.path.isdir(split_dir):
             raise UsageError(f"{path!r} has no {split}/ folder; the layout is DATA/train/<class>/*.jpg "
@@ -261,6 +273,7 @@ class Data:
     num_classes: int
     val_size: int          # images in the whole val split (all ranks together)
     train_sampler: object = None
+    classes: list = None   # class names in label order, where the source has them (eval.py checks them)
 
     def set_epoch(self, epoch):
         if self.train_sampler is not None:
@@ -275,10 +288,21 @@ def _loader(dataset, sampler, args, device):
         persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
 
 
-def build_data(args, accelerator, mean=IMAGENET_MEAN, std=IMAGENET_STD, train=True):
-    """Loaders for the source in args.data, sharded over the accelerator's processes."""
+def build_data(args, accelerator, mean=None, std=None, train=True):
+    """Loaders for the source in args.data, sharded over the accelerator's processes.
+
+    mean/std default to args.mean/args.std: the model's own (a timm model's data config) or
+    ImageNet's, set by utils.setup.parse_args.
+    """
+    mean = mean or getattr(args, "mean", None) or IMAGENET_MEAN
+    std = std or getattr(args, "std", None) or IMAGENET_STD
     device = accelerator.device
     kind = source_kind(args.data)
+    if kind == "datasets":
+        from .hf_data import build_hf_data  # imports `datasets` only now: it is optional
+        return build_hf_data(args, accelerator, mean, std, train)
+    from .hf_data import reject_dataset_flags
+    reject_dataset_flags(args, kind)
     if kind == "synthetic":
         classes = args.num_classes or SYNTHETIC_CLASSES
         steps = args.steps_per_epoch or SYNTHETIC_STEPS
@@ -293,19 +317,32 @@ def build_data(args, accelerator, mean=IMAGENET_MEAN, std=IMAGENET_STD, train=Tr
             root = ensure_digits()
     else:
         root = args.data
-        check_image_folder(root)
-    val_set = image_folder(root, "val", val_transform(args.image_size, args.crop_pct))
-    rank, world = accelerator.process_index, accelerator.num_processes
-    # Validation: rank r takes every world-th image, no padding, so every image counts once.
-    val_loader = _loader(val_set, list(range(rank, len(val_set), world)), args, device)
-    val = DevicePrefetcher(val_loader, device, mean, std, args.channels_last)
-    train_loader, sampler, train_classes = None, None, val_set.classes
+        check_image_folder(root, ("train", "val") if train else ("val",))
+    val_set = image_folder(root, "val", val_transform(args.image_size, args.crop_pct, args.interpolation))
+    train_set = None
     if train:
-        train_set = image_folder(root, "train", train_transform(args.image_size, args.min_scale, args.hflip))
+        train_set = image_folder(root, "train", train_transform(args.image_size, args.min_scale, args.hflip,
+                                                                args.interpolation))
         if train_set.classes != val_set.classes:
             raise UsageError(f"train/ and val/ in {root!r} hold different class folders "
                              f"({len(train_set.classes)} vs {len(val_set.classes)}); they must match")
+    return sharded_data(train_set, val_set, len(val_set.classes), args, accelerator, mean, std)
+
+
+def sharded_data(train_set, val_set, num_classes, args, accelerator, mean, std):
+    """Data over map-style datasets of (PIL image, label), shared by every image source.
+
+    Training: one seeded shuffle per epoch split over the processes (ShardedEpochSampler).
+    Validation: rank r takes every world-th image, no padding, so every image counts once.
+    train_set None (evaluation only) builds the val loader alone.
+    """
+    device = accelerator.device
+    rank, world = accelerator.process_index, accelerator.num_processes
+    val_loader = _loader(val_set, list(range(rank, len(val_set), world)), args, device)
+    val = DevicePrefetcher(val_loader, device, mean, std, args.channels_last)
+    train_loader, sampler = None, None
+    if train_set is not None:
         sampler = ShardedEpochSampler(len(train_set), args.batch_size, rank, world, args.seed)
         train_loader = DevicePrefetcher(_loader(SeededSamples(train_set, args.seed), sampler, args, device),
                                         device, mean, std, args.channels_last)
-    return Data(train_loader, val, len(train_classes), len(val_set), sampler)
+    return Data(train_loader, val, num_classes, len(val_set), sampler, getattr(val_set, "classes", None))

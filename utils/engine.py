@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .logs import NoProgress
 from .profiling import NoPhases
 
 
@@ -87,7 +88,7 @@ def _scale_fields(precision):
 
 
 def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
-                    phases=NoPhases(), log=print):
+                    phases=NoPhases(), log=print, progress=NoProgress()):
     model.train()
     steps = len(data.train)
     if args.steps_per_epoch:
@@ -98,9 +99,10 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
     epoch_start = interval_start = time.perf_counter()
     interval_steps, time_avg_sum, time_avg_n = 0, 0.0, 0
     batches = iter(data.train)
+    progress.begin(steps * global_batch, f"Epoch {epoch}")  # a bar on a terminal (utils/logs.py)
     for step in range(steps):
         phases.begin_step(step)
-        with phases.range("data"):
+        with phases.range("prefetcher.next()"):  # Apex's NVTX range names, kept for nsys users
             images, target = next(batches)
         set_learning_rate(optimizer, learning_rate(args, epoch, step, steps, global_batch))
         with phases.range("forward"):
@@ -109,10 +111,11 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
                 loss = criterion(output, target)
         with phases.range("backward"):
             precision.backward(loss, accelerator)
-        with phases.range("optimizer"):
+        with phases.range("optimizer.step()"):
             precision.step(optimizer)
             precision.zero_grad(model, optimizer)
         meter.update(loss, output, target)
+        progress.advance(global_batch)
         interval_steps += 1
         last = step + 1 == steps
         if (step + 1) % args.print_freq == 0 or last:
@@ -132,6 +135,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
             interval_start, interval_steps = now, 0
         if phases.end_step(step):
             break
+    progress.end()
     seconds = time.perf_counter() - epoch_start
     _, total = meter.read(accelerator)
     _, skipped, scale = _scale_fields(precision)
@@ -139,8 +143,22 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
                        total["count"] / max(seconds, 1e-9), skipped, scale)
 
 
+def share_buffers_from_main(model, accelerator):
+    """Give every process the main process's buffers (BatchNorm running statistics).
+
+    DDP broadcasts buffers from rank 0 at the start of each training forward, so after the last
+    step every rank holds statistics updated by its own last batch only. Validating with them
+    would score each rank's share of the val split with a slightly different model than the
+    one the checkpoint (written by the main process) holds.
+    """
+    if accelerator.num_processes < 2:
+        return
+    for buffer in model.buffers():
+        torch.distributed.broadcast(buffer, src=0)
+
+
 @torch.no_grad()
-def validate(model, data, precision, accelerator, args, criterion, log=print):
+def validate(model, data, precision, accelerator, args, criterion, log=print, progress=NoProgress()):
     """Top-1/top-5/loss over the whole val split, every image counted once across processes.
 
     The model is used unwrapped (no DDP collectives), because processes may hold one batch more
@@ -148,16 +166,19 @@ def validate(model, data, precision, accelerator, args, criterion, log=print):
     is reduced over all processes.
     """
     model = accelerator.unwrap_model(model)
+    share_buffers_from_main(model, accelerator)
     model.eval()
     meter = DeviceMeter(accelerator.device, data.num_classes)
     steps = len(data.val)
     start = time.perf_counter()
     local = [0.0, 0.0, 0.0, 0.0]
+    progress.begin(steps, "Test", unit="batch")
     for step, (images, target) in enumerate(data.val):
         with precision.autocast():
             output = model(images)
             loss = criterion(output, target)
         meter.update(loss, output, target)
+        progress.advance()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps:
             sums = meter.sums.tolist()
             running = averages([a + b for a, b in zip(local, sums)])
@@ -165,6 +186,7 @@ def validate(model, data, precision, accelerator, args, criterion, log=print):
             log(f"Test: [{step + 1}/{steps}]\tTime {elapsed / (step + 1):.3f}\t"
                 f"Speed {running['count'] * accelerator.num_processes / elapsed:.3f}\t"
                 f"Loss {running['loss']:.4f}\tPrec@1 {running['top1']:.3f}\tPrec@5 {running['top5']:.3f}")
+    progress.end()
     _, total = meter.read(accelerator)
     seconds = time.perf_counter() - start
     log(f" * Prec@1 {total['top1']:.3f} Prec@5 {total['top5']:.3f}")

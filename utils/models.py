@@ -51,36 +51,95 @@ def _torchvision_model(arch, num_classes, pretrained):
         raise UsageError(f"--pretrained: no local weights for {arch} at {path}; this script never "
                          f"downloads. Copy {weights.url} there (or set TORCH_HOME), or drop --pretrained")
     model = torchvision.models.get_model(arch, weights=None)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    try:
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as err:  # truncated download, another model's file, not a torch file
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"--pretrained: cannot load {arch} weights from {path} ({first[:200]}); the "
+                         "file is damaged or of another model: delete it and copy it again") from None
     if num_classes != len(weights.meta["categories"]):
         _replace_classifier(model, num_classes)
     return model
 
 
-def _timm_model(name, num_classes, pretrained):
+def _import_timm():
     try:
         import timm
     except ImportError:
         raise UsageError("timm/ models need the timm package: pip install timm") from None
+    return timm
+
+
+def _timm_pretrained_cfg(name):
+    """timm's config for name (a tag, as in resnet50.a1_in1k, picks that weight set), or None."""
+    timm = _import_timm()
     if not timm.is_model(name):
-        raise _unknown(name, timm.list_models())
-    if not pretrained:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes)
-    from huggingface_hub.errors import LocalEntryNotFoundError
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # local cache only: no network at run time
+        raise _unknown(f"timm/{name}", [f"timm/{n}" for n in timm.list_models()])
     try:
-        return timm.create_model(name, pretrained=True, num_classes=num_classes)
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError, RuntimeError) as err:
-        raise UsageError(f"--pretrained: no local weights for timm/{name} ({type(err).__name__}); this "
-                         "script never downloads. Fetch them once where there is network (e.g. "
-                         f"python -c \"import timm; timm.create_model('{name}', pretrained=True)\") "
-                         "and copy the Hugging Face cache (HF_HOME) here, or drop --pretrained") from None
-    finally:
-        if previous is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = previous
+        return timm.models.get_pretrained_cfg(name)
+    except RuntimeError as err:  # "Invalid pretrained tag (x) for y."
+        tags = timm.list_pretrained(name.partition(".")[0] + ".*")
+        raise UsageError(f"timm/{name}: {err} Known weight sets: {', '.join(tags) or 'none'}") from None
+
+
+def _safetensors_first(filename):
+    """The names timm tries for a hub weight file, safetensors first (as load_state_dict_from_hf)."""
+    if filename.endswith(".safetensors"):
+        return [filename]
+    safe = "model.safetensors" if filename == "pytorch_model.bin" else filename.rsplit(".", 1)[0] + ".safetensors"
+    return [safe, filename]
+
+
+def cached_timm_weights(name):
+    """(path of timm/<name>'s pretrained weights in the local cache or None, places looked).
+
+    Never downloads: looks where timm itself would load from, the Hugging Face hub cache
+    (HF_HOME / HF_HUB_CACHE) for the config's hf_hub_id, then torch's hub cache (TORCH_HOME) for
+    its legacy url. Asking the cache directly works whatever HF_HUB_OFFLINE was when
+    huggingface_hub was imported (setting it later has no effect).
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cfg = _timm_pretrained_cfg(name)
+    if cfg is None:
+        return None, []
+    looked = []
+    if cfg.hf_hub_id:
+        repo, _, revision = cfg.hf_hub_id.partition("@")
+        filenames = _safetensors_first(cfg.hf_hub_filename or "pytorch_model.bin")
+        for filename in filenames:
+            found = try_to_load_from_cache(repo, filename, revision=revision or None)
+            if isinstance(found, str):  # else None, or a marker for "known to be missing"
+                return found, looked
+        looked.append(f"{repo} ({' or '.join(filenames)}) in the Hugging Face cache {constants.HF_HUB_CACHE}")
+    if cfg.url:
+        path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(cfg.url))
+        if os.path.isfile(path):
+            return path, looked
+        looked.append(path)
+    return None, looked
+
+
+def _timm_model(name, num_classes, pretrained):
+    timm = _import_timm()
+    if not pretrained:
+        _timm_pretrained_cfg(name)  # an unknown name or weight tag is a usage error, not a traceback
+        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+    path, looked = cached_timm_weights(name)
+    if path is None:
+        where = "; looked for " + ", ".join(looked) if looked else " (timm lists no weights for it)"
+        raise UsageError(f"--pretrained: no local weights for timm/{name}{where}. This script never "
+                         "downloads: fetch them once where there is network (python -c \"import timm; "
+                         f"timm.create_model('{name}', pretrained=True)\") and copy the Hugging Face "
+                         "cache (HF_HOME) here, or drop --pretrained")
+    try:
+        # Load that file and nothing else; timm drops the pretrained head when num_classes differs.
+        return timm.create_model(name, pretrained=True, num_classes=num_classes,
+                                 pretrained_cfg_overlay={"file": path, "source": ""})
+    except Exception as err:  # truncated file (SafetensorError), another model's weights, not a weight file
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"--pretrained: cannot load timm/{name} weights from {path} ({first[:200]}); "
+                         "the file is damaged or of another model: delete it and fetch it again") from None
 
 
 def build_model(arch, num_classes, pretrained=False):
@@ -91,9 +150,32 @@ def build_model(arch, num_classes, pretrained=False):
     return _torchvision_model(arch, num_classes, pretrained)
 
 
-def timm_data_config(arch, model):
-    """timm's preferred input size, mean/std and crop pct for a timm model, else None."""
+def timm_data_config(arch, model=None):
+    """timm's resolved data config (input_size, mean, std, crop_pct, interpolation, ...) or None.
+
+    From the model when given, else from timm's pretrained config for the name (no model built).
+    """
     if not arch.startswith("timm/"):
         return None
     import timm.data
-    return timm.data.resolve_data_config({}, model=model)
+    if model is not None:
+        return timm.data.resolve_data_config({}, model=model)
+    cfg = _timm_pretrained_cfg(arch[len("timm/"):]) or timm.models.PretrainedCfg()  # timm's defaults
+    return timm.data.resolve_data_config({}, pretrained_cfg=cfg.to_dict())
+
+
+def model_data_config(arch):
+    """The input a model expects, as defaults for the data flags: image_size, crop_pct,
+    interpolation, mean, std; an empty dict for torchvision models (the ImageNet defaults fit).
+
+    A timm model's own config (e.g. 160 px, crop 0.95, bilinear, mean/std 0.5 for test_resnet),
+    so pretrained weights see the input they were trained on. train.py and eval.py both get it
+    through utils.setup.parse_args -> utils.data.apply_source_defaults; a flag given on the
+    command line wins. timm's crop_mode 'squash' is not reproduced (we always resize the short side).
+    """
+    config = timm_data_config(arch)
+    if config is None:
+        return {}
+    return {"image_size": int(config["input_size"][-2]), "crop_pct": float(config["crop_pct"]),
+            "interpolation": config["interpolation"], "mean": [float(m) for m in config["mean"]],
+            "std": [float(s) for s in config["std"]]}

@@ -1,11 +1,35 @@
-"""Step hooks for the training loop: no-ops by default, NVTX + cudaProfiler window for --prof."""
+"""Step hooks for the training loop, and the phase table and benchmark rows profile.py prints.
+
+utils/engine.py train_one_epoch calls begin_step(step), wraps each phase of a step in
+range(name) and stops when end_step(step) returns True. The hooks:
+
+- NoPhases: does nothing; the default, so a normal run has no extra host syncs.
+- NvtxWindow: Apex's --prof N. NVTX ranges on every step, cudaProfilerStart at step N,
+  cudaProfilerStop after the window, then end_step says stop.
+- PhaseProfiler: NvtxWindow plus what profile.py reports: per-phase times over the window
+  (CUDA events on the GPU stream, the wall clock without CUDA), record_function ranges so the
+  names show in a torch.profiler trace (on the CPU too), and that optional trace itself.
+"""
 import contextlib
+import csv
+import os
+import time
+from dataclasses import dataclass, field
 
 import torch
+
+STEP_RANGE = "Body of iteration {}"
+DATA_RANGE = "prefetcher.next()"   # the engine's names for its ranges (Apex's NVTX names)
+WAIT_RANGE = "data wait"           # nested in DATA_RANGE by time_data_wait
+TABLE_LABELS = {"forward": "forward", "backward": "backward",
+                "optimizer.step()": "optimizer step"}
+SUM_TOLERANCE = 0.10               # phases must add up to the measured step time within this
 
 
 class NoPhases:
     """The loop's default: every hook does nothing."""
+
+    finished = False
 
     def begin_step(self, step):
         pass
@@ -19,27 +43,34 @@ class NoPhases:
 
 
 class NvtxWindow(NoPhases):
-    """Apex --prof N: NVTX ranges per step and phase, cudaProfilerStart at step N, stop at N+10.
+    """Apex --prof N: NVTX ranges per step and phase, cudaProfilerStart at step N, stop at N+length.
 
-    Returns True from end_step once the 10 captured steps are done, so the loop ends cleanly.
-    Without CUDA the ranges and profiler calls are skipped (the loop still stops at N+10).
+    Steps are counted here, across epochs (the loop's own step restarts every epoch, and a short
+    epoch must not hide the window). end_step returns True, and finished turns True, once the
+    window's last step is done, so the loop ends cleanly. nvtx=False (the default without CUDA)
+    skips the NVTX ranges and the profiler calls; the window still ends the run.
     """
 
-    def __init__(self, start_step, length=10):
+    def __init__(self, start_step, length=10, nvtx=None):
         self.start_step = start_step
         self.stop_step = start_step + length
-        self.cuda = torch.cuda.is_available()
+        self.nvtx = torch.cuda.is_available() if nvtx is None else nvtx
+        self.iteration = 0
+        self.finished = False
+
+    def in_window(self):
+        return self.start_step <= self.iteration < self.stop_step
 
     def begin_step(self, step):
-        if not self.cuda:
+        if not self.nvtx:
             return
-        if step == self.start_step:
+        if self.iteration == self.start_step:
             torch.cuda.cudart().cudaProfilerStart()
-        torch.cuda.nvtx.range_push(f"Body of iteration {step}")
+        torch.cuda.nvtx.range_push(STEP_RANGE.format(self.iteration))
 
     @contextlib.contextmanager
     def range(self, name):
-        if not self.cuda:
+        if not self.nvtx:
             yield
             return
         torch.cuda.nvtx.range_push(name)
@@ -49,11 +80,307 @@ class NvtxWindow(NoPhases):
             torch.cuda.nvtx.range_pop()
 
     def end_step(self, step):
-        if self.cuda:
+        if self.nvtx:
             torch.cuda.nvtx.range_pop()
-        if step + 1 >= self.stop_step:
-            if self.cuda:
-                torch.cuda.synchronize()
+        self.iteration += 1
+        if self.iteration == self.stop_step:
+            if self.nvtx:
+                torch.cuda.synchronize()  # the window's kernels finish inside the capture
                 torch.cuda.cudart().cudaProfilerStop()
-            return True
+            self.finished = True
+        return self.finished
+
+
+class WallClock:
+    """Host timestamps: what a step costs when the host does the work (no CUDA)."""
+
+    name = "wall clock on the host"
+
+    def mark(self):
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end):
+        return (end - start) * 1e3
+
+    def sync(self):
+        pass
+
+
+class CudaEventClock:
+    """CUDA events on the current stream: the GPU's timeline, read once after the window.
+
+    Consecutive events split that timeline into pieces that add up exactly; a phase the host
+    spends waiting (for data, say) shows up as the GPU idling between its events.
+    """
+
+    name = "CUDA events on the GPU stream"
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start, end):
+        return start.elapsed_time(end)
+
+    def sync(self):
+        torch.cuda.synchronize()
+
+
+@dataclass
+class PhaseTimes:
+    """Mean milliseconds per step over the window, per phase (table order, 'other' last)."""
+    phases: list            # [(label, ms)]
+    step_ms: float          # measured independently: window wall clock / steps
+    steps: int
+    first_step: int
+    clock: str
+
+    @property
+    def phase_sum_ms(self):
+        return sum(ms for _, ms in self.phases)
+
+    def mismatch(self):
+        """Relative gap between the phases' sum and the measured step time."""
+        return abs(self.phase_sum_ms - self.step_ms) / max(self.step_ms, 1e-9)
+
+
+class PhaseProfiler(NvtxWindow):
+    """profile.py's hook: the NVTX window, per-phase timing over it, an optional trace.
+
+    Timing only runs inside the window: one sync when it opens (so earlier queued work is not
+    billed to it) and one when it closes (to read the events). Outside the window the only cost
+    is the NVTX and record_function ranges.
+    """
+
+    def __init__(self, start_step, length=10, nvtx=None, clock=None, trace_path=None):
+        super().__init__(start_step, length, nvtx)
+        self.clock = clock or (CudaEventClock() if torch.cuda.is_available() else WallClock())
+        self.trace_path = trace_path
+        self.trace = None
+        self.step_marks = []      # clock marks: each window step's start, then the window's end
+        self.records = []         # (name, depth, start mark, end mark) of the ranges in the window
+        self.depth = 0
+        self.step_function = None
+        self.wall_start = self.wall_end = 0.0   # perf_counter at the synced ends of the window
+        self.times = None
+
+    def begin_step(self, step):
+        super().begin_step(step)  # first, so cudaProfilerStart's own cost stays out of the timing
+        if self.iteration == self.start_step:
+            self._open_window()
+        self.step_function = torch.profiler.record_function(STEP_RANGE.format(self.iteration))
+        self.step_function.__enter__()
+        if self.in_window():
+            self.step_marks.append(self.clock.mark())
+
+    @contextlib.contextmanager
+    def range(self, name):
+        timed, depth = self.in_window(), self.depth
+        self.depth += 1  # nested ranges (data wait) are split out of their parent, not added to it
+        try:
+            with super().range(name), torch.profiler.record_function(name):
+                start = self.clock.mark() if timed else None
+                yield
+                if timed:
+                    self.records.append((name, depth, start, self.clock.mark()))
+        finally:
+            self.depth -= 1
+
+    def end_step(self, step):
+        last = self.iteration + 1 == self.stop_step
+        if last:
+            self.step_marks.append(self.clock.mark())
+        self.step_function.__exit__(None, None, None)
+        if last:
+            self.clock.sync()
+            self.wall_end = time.perf_counter()  # before cudaProfilerStop, whose cost is not a step's
+        finished = super().end_step(step)
+        if last:
+            self._close_window()
+        return finished
+
+    def _open_window(self):
+        self.clock.sync()
+        if self.trace_path:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.trace = torch.profiler.profile(activities=activities)
+            self.trace.start()
+        self.wall_start = time.perf_counter()
+
+    def _close_window(self):
+        self.times = self._summarise()
+        if self.trace is not None:
+            self.trace.stop()
+            self.trace.export_chrome_trace(self.trace_path)
+            self.trace = None
+
+    def _summarise(self):
+        """Mean ms per phase over the window; 'other' is what the named ranges leave of a step."""
+        steps = len(self.step_marks) - 1
+        elapsed = self.clock.elapsed_ms
+        span = elapsed(self.step_marks[0], self.step_marks[-1])
+        top, nested = {}, {}
+        for name, depth, start, end in self.records:
+            totals = top if depth == 0 else nested
+            totals[name] = totals.get(name, 0.0) + elapsed(start, end)
+        phases = []
+        for name, total in top.items():
+            if name == DATA_RANGE:
+                phases.extend(_split_data(total, nested.get(WAIT_RANGE)))
+            else:
+                phases.append((TABLE_LABELS.get(name, name), total))
+        phases.append(("other", span - sum(top.values())))
+        step_ms = (self.wall_end - self.wall_start) * 1e3 / steps
+        return PhaseTimes([(label, ms / steps) for label, ms in phases], step_ms, steps,
+                          self.start_step, self.clock.name)
+
+
+def _split_data(data_ms, wait_ms):
+    """The data range as 'data wait' (for the host batch) and 'host-to-device' (the rest).
+
+    Without a nested wait range (data made on the device: no loader, no copy) all of it is wait.
+    """
+    if wait_ms is None:
+        return [("data wait", data_ms), ("host-to-device", 0.0)]
+    return [("data wait", wait_ms), ("host-to-device", data_ms - wait_ms)]
+
+
+class TimedLoader:
+    """A DataLoader whose every next() (and the start of each pass) runs in a 'data wait' range."""
+
+    def __init__(self, loader, phases):
+        self.loader = loader
+        self.phases = phases
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        batches, done = None, object()
+        while True:
+            with self.phases.range(WAIT_RANGE):
+                if batches is None:
+                    batches = iter(self.loader)  # worker start-up is waiting for data too
+                batch = next(batches, done)
+            if batch is done:
+                return
+            yield batch
+
+
+def time_data_wait(train, phases):
+    """Split the loop's data phase into the wait for a host batch and the host-to-device step.
+
+    utils/data.py DevicePrefetcher takes a host batch from its DataLoader and copies it to the
+    device inside one next(), which the loop times as a whole. Wrapping the DataLoader it holds
+    (its .loader) gives the wait a nested range of its own, so profiling needs no hook in the data
+    code and a normal run pays nothing. Returns False for sources with no host loader (synthetic
+    data is made on the device).
+    """
+    loader = getattr(train, "loader", None)
+    if loader is None:
         return False
+    train.loader = TimedLoader(loader, phases)
+    return True
+
+
+def cuda_parts_skipped():
+    """What a run without CUDA cannot do, in words; empty with CUDA."""
+    if torch.cuda.is_available():
+        return ""
+    return "NVTX ranges, cudaProfilerStart/Stop, CUDA-event timing and GPU memory figures"
+
+
+def format_phase_table(times, images_per_step, peak_bytes, recipe_line, skipped=""):
+    """The table profile.py prints at the end, as one string."""
+    step = times.step_ms
+    lines = [f"=> phases over steps {times.first_step}-{times.first_step + times.steps - 1} "
+             f"({times.steps} steps), mean per step, timed with {times.clock}",
+             f"{'phase':<18}{'mean ms':>10}{'share':>9}"]
+    for label, ms in times.phases:
+        lines.append(f"{label:<18}{ms:>10.3f}{100.0 * ms / step:>8.1f}%")
+    lines.append(f"{'sum of phases':<18}{times.phase_sum_ms:>10.3f}{100.0 * times.phase_sum_ms / step:>8.1f}%")
+    lines.append(f"{'measured step':<18}{step:>10.3f}{100.0:>8.1f}%   (wall clock over the window)")
+    if times.mismatch() > SUM_TOLERANCE:
+        lines.append(f"warning: the phases add up to {times.phase_sum_ms:.3f} ms, "
+                     f"{100 * times.mismatch():.0f}% off the measured step")
+    lines.append(f"throughput: {images_per_step * 1e3 / step:.1f} img/s (steady state, "
+                 f"{images_per_step} images a step)")
+    lines.append(f"peak GPU memory: {format_gib(peak_bytes)}")
+    lines.append(recipe_line)
+    if skipped:
+        lines.append(f"skipped without CUDA: {skipped}")
+    return "\n".join(lines)
+
+
+def format_gib(peak_bytes):
+    return "n/a (no CUDA)" if peak_bytes is None else f"{peak_bytes / 2 ** 30:.2f} GiB"
+
+
+@dataclass
+class BenchmarkRow:
+    opt_level: str
+    dtype: str
+    channels_last: bool
+    images_per_step: int
+    times: PhaseTimes = None          # None when the configuration failed
+    peak_bytes: int = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)  # arch, image size, device: context for the CSV
+
+    @property
+    def img_per_s(self):
+        return self.images_per_step * 1e3 / self.times.step_ms if self.times else None
+
+
+def _ratio(row, first):
+    if not (row.times and first.times):
+        return None
+    return row.img_per_s / first.img_per_s
+
+
+def format_benchmark_table(rows):
+    lines = [f"{'opt level':<10}{'dtype':<6}{'channels_last':<15}{'img/s':>10}{'ms/step':>10}"
+             f"{'peak GiB':>10}{'ratio':>8}  note"]
+    for row in rows:
+        if row.times is None:
+            numbers = f"{'-':>10}{'-':>10}{'-':>10}{'-':>8}"
+        else:
+            peak = "n/a" if row.peak_bytes is None else f"{row.peak_bytes / 2 ** 30:.2f}"
+            numbers = (f"{row.img_per_s:>10.1f}{row.times.step_ms:>10.2f}{peak:>10}"
+                       f"{_ratio(row, rows[0]) or 0:>7.2f}x")
+        lines.append(f"{row.opt_level:<10}{row.dtype:<6}{str(row.channels_last):<15}{numbers}  {row.note}")
+    return "\n".join(lines)
+
+
+def write_benchmark_csv(rows, path):
+    """One row per configuration; the phase columns are mean ms per step over the window."""
+    phase_labels = []
+    for row in rows:
+        for label, _ in (row.times.phases if row.times else []):
+            if label not in phase_labels:
+                phase_labels.append(label)
+    context = list(rows[0].extra) if rows else []
+    header = (context + ["opt_level", "dtype", "channels_last", "global_batch", "img_per_s",
+                         "ms_per_step", "peak_gib", "ratio"]
+              + [label.replace(" ", "_").replace("-", "_") + "_ms" for label in phase_labels] + ["note"])
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        for row in rows:
+            phases = dict(row.times.phases) if row.times else {}
+            ratio = _ratio(row, rows[0])
+            writer.writerow(
+                [row.extra.get(key, "") for key in context]
+                + [row.opt_level, row.dtype, row.channels_last, row.images_per_step,
+                   _num(row.img_per_s, 1), _num(row.times.step_ms if row.times else None, 3),
+                   _num(None if row.peak_bytes is None else row.peak_bytes / 2 ** 30, 3), _num(ratio, 3)]
+                + [_num(phases.get(label), 3) for label in phase_labels] + [row.note])
+    os.replace(tmp, path)  # a reader (or a killed sweep) never sees half a file
+
+
+def _num(value, digits):
+    return "" if value is None else f"{value:.{digits}f}"

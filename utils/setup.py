@@ -7,21 +7,23 @@ import torch
 from . import data as data_lib
 from .checkpoint import load_checkpoint, load_model_weights
 from .errors import UsageError
-from .models import build_model
+from .models import build_model, model_data_config
 from .precision import Precision, build_sgd, cpu_fp16_note, requested_mixed_precision, resolve_recipe
 
 
 def parse_args(parser, argv=None):
     args = parser.parse_args(argv)
-    data_lib.apply_source_defaults(args)
+    # A timm model's own input size, crop pct, interpolation and mean/std fill what no flag set.
+    data_lib.apply_source_defaults(args, model_data_config(args.arch))
     if not 0.0 < args.crop_pct <= 1.0:
         raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if not 0.0 < args.min_scale <= 1.0:
         raise UsageError(f"--min-scale must be in (0, 1], got {args.min_scale}")
     if not 0.0 <= args.hflip <= 1.0:
         raise UsageError(f"--hflip is a probability in [0, 1], got {args.hflip}")
-    if args.prof >= 0 and args.prof + 10 > (args.steps_per_epoch or sys.maxsize):
-        raise UsageError(f"--prof {args.prof} needs {args.prof + 10} steps but --steps-per-epoch is "
+    window = getattr(args, "prof_steps", 10)  # profile.py's --prof-steps; train.py's window is 10
+    if args.prof >= 0 and args.prof + window > (args.steps_per_epoch or sys.maxsize):
+        raise UsageError(f"--prof {args.prof} needs {args.prof + window} steps but --steps-per-epoch is "
                          f"{args.steps_per_epoch}")
     return args
 
@@ -39,7 +41,7 @@ def set_determinism(args):
         torch.backends.cudnn.benchmark = True
 
 
-def make_accelerator(args):
+def make_accelerator(args, **accelerator_kwargs):
     """An Accelerator that leaves precision to our recipe, and the resolved recipe with its notes.
 
     Accelerate's mixed_precision (flag, config or environment) only picks the half dtype; the
@@ -53,7 +55,8 @@ def make_accelerator(args):
                                    mixed_precision, source)
     set_determinism(args)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=False)
-    accelerator = Accelerator(mixed_precision="no", kwargs_handlers=[ddp])
+    # accelerator_kwargs: e.g. the trackers of train.py's --log-with (utils.logs.tracker_kwargs)
+    accelerator = Accelerator(mixed_precision="no", kwargs_handlers=[ddp], **accelerator_kwargs)
     note = cpu_fp16_note(recipe, accelerator.device.type)
     if note:
         notes.append(note)

@@ -1,0 +1,249 @@
+"""Profile training steps: an nsys window, a phase table, a torch.profiler trace, a benchmark sweep.
+
+    python profile.py                                   # digits demo: phase table after step 109
+    nsys profile -c cudaProfilerApi --capture-range-end stop python profile.py --prof 100 DATA
+    python profile.py --prof 20 --trace out.json DATA   # Chrome/Perfetto trace of steps 20-29
+    python profile.py --benchmark -a resnet50 -b 256 synthetic   # O0..O3 x channels_last sweep
+
+Same flags as train.py. The run trains --prof warm-up steps, then a window of --prof-steps steps
+(NVTX ranges on every step, cudaProfilerStart/Stop around the window), and stops cleanly. See
+docs/profiling.md for how to read the table.
+"""
+import sys
+
+if __name__ == "profile":
+    # This file is named like the standard library's `profile` module, which torch imports (via
+    # cProfile). Any script run from this folder has the folder first on sys.path, so that import
+    # finds this file: hand the importer the real module instead. The imports below do not run
+    # then, so the rest of this file must only define functions and constants (no classes with
+    # imported bases, no default arguments using them): tests/test_profile.py checks it.
+    import importlib.util
+    import os
+    import sysconfig
+
+    _spec = importlib.util.spec_from_file_location(
+        "profile", os.path.join(sysconfig.get_path("stdlib"), "profile.py"))
+    _stdlib_profile = importlib.util.module_from_spec(_spec)
+    sys.modules["profile"] = _stdlib_profile
+    _spec.loader.exec_module(_stdlib_profile)
+else:
+    import argparse
+    import os
+
+    import torch
+
+    from utils.cli import OPT_LEVELS, build_parser, non_negative_int, opt_level_type, positive_int, str2bool
+    from utils.data import build_data
+    from utils.engine import train_one_epoch
+    from utils.errors import UsageError, exit_on_usage_error
+    from utils.profiling import (BenchmarkRow, PhaseProfiler, cuda_parts_skipped, format_benchmark_table,
+                                 format_phase_table, time_data_wait, write_benchmark_csv)
+    from utils.setup import build_training_state, make_accelerator, parse_args, resume_checkpoint, warn
+
+PROF_DEFAULT = 100  # warm-up steps before the window: past cudnn.benchmark's search and allocator growth
+
+
+def comma_list(item_type):
+    """argparse type for 'A,B,C': each item parsed by item_type, duplicates dropped, order kept."""
+    def parse(text):
+        items = []
+        for part in text.split(","):
+            value = item_type(part.strip())
+            if value not in items:
+                items.append(value)
+        return items
+    return parse
+
+
+def build_profile_parser():
+    parser = build_parser(description=__doc__.splitlines()[0])
+    # profile.py always profiles: --prof is the warm-up before the window and cannot be off.
+    for action in parser._actions:  # argparse has no public lookup of a flag added elsewhere
+        if action.dest == "prof":
+            action.type = non_negative_int
+            action.help = ("warm-up steps before the window: NVTX ranges on every step, "
+                           "cudaProfilerStart at step N, cudaProfilerStop and a clean exit "
+                           f"--prof-steps later (default: {PROF_DEFAULT})")
+    parser.set_defaults(prof=PROF_DEFAULT)
+    group = parser.add_argument_group("profile.py")
+    group.add_argument("--prof-steps", type=positive_int, default=10, metavar="N",
+                       help="steps in the window: captured by nsys, timed for the phase table, "
+                            "traced by --trace (default: 10, as Apex)")
+    group.add_argument("--trace", default=None, metavar="PATH",
+                       help="also write a torch.profiler trace of the window to PATH (Chrome/Perfetto "
+                            "JSON; .rankN is added per process when there are several) (default: none)")
+    group.add_argument("--benchmark", action="store_true",
+                       help="sweep opt levels x channels_last instead: each configuration trains "
+                            "--prof warm-up steps and --prof-steps timed steps on DATA (use 'synthetic' "
+                            "for GPU-bound figures); prints one row each and writes them as CSV")
+    group.add_argument("--benchmark-csv", default=None, metavar="PATH",
+                       help="where --benchmark writes its CSV (default: benchmark.csv in --output-dir)")
+    group.add_argument("--benchmark-levels", type=comma_list(opt_level_type), default=None,
+                       metavar="LIST", help=f"opt levels --benchmark sweeps (default: {','.join(OPT_LEVELS)})")
+    group.add_argument("--benchmark-channels-last", type=comma_list(str2bool), default=None,
+                       metavar="LIST", help="channels_last settings --benchmark sweeps (default: False,True)")
+    return parser
+
+
+def check_profile_args(args):
+    """profile.py's own flag rules, before anything is built."""
+    if args.evaluate:
+        raise UsageError("profile.py profiles training steps; -e/--evaluate does not apply (use train.py -e)")
+    if args.trace:
+        folder = os.path.dirname(os.path.abspath(args.trace))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--trace {args.trace!r}: folder {folder!r} does not exist; create it first")
+        if args.benchmark:
+            raise UsageError("--trace traces one run; it cannot be combined with --benchmark")
+    if not args.benchmark:
+        for flag in ("benchmark_csv", "benchmark_levels", "benchmark_channels_last"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} only applies with --benchmark")
+        return
+    if args.opt_level is not None:
+        raise UsageError("--benchmark sweeps the opt levels itself; choose them with --benchmark-levels "
+                         "instead of --opt-level")
+    if args.channels_last:
+        raise UsageError("--benchmark sweeps channels_last itself; choose with --benchmark-channels-last "
+                         "instead of --channels-last")
+    if args.benchmark_csv:
+        folder = os.path.dirname(os.path.abspath(args.benchmark_csv))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--benchmark-csv {args.benchmark_csv!r}: folder {folder!r} does not exist")
+
+
+def check_enough_steps(args, data):
+    """The epochs left must hold the warm-up and the window (steps count on across epochs)."""
+    per_epoch = len(data.train)
+    if args.steps_per_epoch:
+        per_epoch = min(per_epoch, args.steps_per_epoch)
+    epochs = max(args.epochs - args.start_epoch, 0)
+    needed = args.prof + args.prof_steps
+    if per_epoch * epochs < needed:
+        raise UsageError(f"--prof {args.prof} with --prof-steps {args.prof_steps} needs {needed} training "
+                         f"steps, but {epochs} epoch(s) of {per_epoch} steps give {per_epoch * epochs}; "
+                         "lower --prof or raise --epochs")
+
+
+def train_window(args, accelerator, recipe, phases, log):
+    """Build data and model as train.py does, train until the window is done; return peak bytes."""
+    if accelerator.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    data = build_data(args, accelerator)
+    check_enough_steps(args, data)
+    checkpoint = resume_checkpoint(args, accelerator)
+    num_classes = args.num_classes or data.num_classes
+    model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        precision.load_state_dict(checkpoint.get("loss_scale"))
+    criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
+    time_data_wait(data.train, phases)
+    for epoch in range(args.start_epoch, args.epochs):
+        data.set_epoch(epoch)
+        torch.manual_seed(args.seed * 1000 + epoch * 7 + accelerator.process_index)
+        train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases, log)
+        if phases.finished:
+            break
+    if accelerator.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(accelerator.device)
+    return None
+
+
+def trace_path(args, accelerator):
+    """--trace as given; with several processes each writes its own file (name.rankN.json)."""
+    if not args.trace or accelerator.num_processes == 1:
+        return args.trace
+    stem, ext = os.path.splitext(args.trace)
+    return f"{stem}.rank{accelerator.process_index}{ext}"
+
+
+def run_profile(args):
+    accelerator, recipe, notes = make_accelerator(args)
+    for note in notes:
+        warn(accelerator, note)
+    skipped = cuda_parts_skipped()
+    if skipped:
+        warn(accelerator, f"no CUDA: skipping {skipped}; phases are timed with the wall clock")
+    log = accelerator.print
+    last = args.prof + args.prof_steps - 1
+    log(f"=> profile.py: {args.arch} | {accelerator.num_processes} process(es) on "
+        f"{accelerator.device.type} | {args.prof} warm-up steps, then window steps {args.prof}-{last}")
+    log(recipe.describe())
+    phases = PhaseProfiler(args.prof, args.prof_steps, trace_path=trace_path(args, accelerator))
+    peak = train_window(args, accelerator, recipe, phases, log)
+    log(f"=> ran {phases.iteration} steps; window steps {args.prof}-{last} done")
+    images_per_step = args.batch_size * accelerator.num_processes
+    log(format_phase_table(phases.times, images_per_step, peak, recipe.describe(), skipped))
+    if phases.trace_path:
+        log(f"=> trace of the window written to {phases.trace_path}")
+    accelerator.end_training()
+
+
+def benchmark_configs(args):
+    levels = args.benchmark_levels or list(OPT_LEVELS)
+    layouts = args.benchmark_channels_last or [False, True]
+    return [(level, channels_last) for level in levels for channels_last in layouts]
+
+
+def run_benchmark(args):
+    """One short profile per configuration, no NVTX; rows printed and rewritten as CSV as they come."""
+    csv_path = args.benchmark_csv or os.path.join(args.output_dir, "benchmark.csv")
+    if not args.benchmark_csv:
+        os.makedirs(args.output_dir, exist_ok=True)
+    rows, seen_notes = [], set()
+    skipped = cuda_parts_skipped()
+    for level, channels_last in benchmark_configs(args):
+        config = argparse.Namespace(**vars(args))
+        config.opt_level, config.channels_last = level, channels_last
+        accelerator, recipe, notes = make_accelerator(config)
+        for note in notes:
+            if note not in seen_notes:
+                seen_notes.add(note)
+                warn(accelerator, f"{level}: {note}")
+        if skipped and not rows:
+            warn(accelerator, f"no CUDA: skipping {skipped}; steps are timed with the wall clock")
+        row = BenchmarkRow(level, "fp32" if recipe.dtype_name == "no" else recipe.dtype_name, channels_last,
+                           args.batch_size * accelerator.num_processes,
+                           extra={"arch": args.arch, "image_size": args.image_size,
+                                  "device": device_name(accelerator)})
+        phases = PhaseProfiler(args.prof, args.prof_steps, nvtx=False)
+        try:
+            row.peak_bytes = train_window(config, accelerator, recipe, phases, log=lambda *a, **k: None)
+            row.times = phases.times
+        except torch.OutOfMemoryError:
+            row.note = "out of memory"
+        del phases
+        # Drop this configuration's model and optimizer (Accelerate keeps references) before the
+        # next; free_memory also runs gc and empties the CUDA cache, so peaks don't carry over.
+        accelerator.free_memory()
+        rows.append(row)
+        table = format_benchmark_table(rows).splitlines()
+        accelerator.print("\n".join(table if len(rows) == 1 else table[-1:]), flush=True)
+        if accelerator.is_main_process:
+            write_benchmark_csv(rows, csv_path)
+    accelerator.print(f"=> benchmark: {args.arch}, {args.image_size} px, global batch "
+                      f"{rows[0].images_per_step}, {args.prof} warm-up + {args.prof_steps} timed steps "
+                      f"per configuration, on {rows[0].extra['device']}")
+    accelerator.print(format_benchmark_table(rows))
+    accelerator.print(f"=> written to {csv_path}")
+    accelerator.end_training()
+
+
+def device_name(accelerator):
+    if accelerator.device.type == "cuda":
+        return torch.cuda.get_device_name(accelerator.device)
+    return accelerator.device.type
+
+
+def main(argv=None):
+    args = parse_args(build_profile_parser(), argv)
+    check_profile_args(args)
+    if args.benchmark:
+        run_benchmark(args)
+    else:
+        run_profile(args)
+
+
+if __name__ == "__main__":
+    exit_on_usage_error(main)

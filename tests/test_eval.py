@@ -1,0 +1,169 @@
+"""eval.py: settings from the checkpoint, the same top-1 as train.py printed, every opt level,
+results files, and one-line errors. (Several processes: tests/test_distributed.py.)"""
+import csv
+import importlib
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_image_folder, run_script
+from utils.checkpoint import save_checkpoint
+from utils.errors import UsageError
+
+FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
+EVAL_TAIL = re.compile(r" \* Loss ([\d.]+) Images (\d+) Speed ([\d.]+) images/s")
+DIGITS_VAL = 359
+# The scripts run on the CPU, one thread: spinning OpenMP threads crawl on a busy 2-core machine,
+# and on a GPU machine train.py and eval.py could pick different cuDNN kernels (a near tie may flip).
+CPU = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+
+
+@pytest.fixture(scope="module")
+def trained(cache_dir, tmp_path_factory):
+    """One short O2 bf16 epoch of train.py on the digits; (output dir, its stdout)."""
+    out = tmp_path_factory.mktemp("trained")
+    run = run_script("train.py", "-a", "resnet18", "--image-size", "32", "-b", "16", "--steps-per-epoch", "4",
+                     "--epochs", "1", "-j", "0", "-p", "2", "--opt-level", "O2", "--mixed-precision", "bf16",
+                     "--output-dir", out, env=CPU)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, run.stdout
+
+
+@pytest.fixture(scope="module")
+def fp32_result(trained, evaluate):
+    return evaluate("--resume", trained[0] / "checkpoint.pth.tar", "--opt-level", "O0", "-j", "0", "-b", "64")
+
+
+@pytest.fixture(scope="module")
+def evaluate(cache_dir):
+    """eval.py's main() in this process (no interpreter start-up per call), on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    script = importlib.import_module("eval")
+    yield lambda *argv: script.main([str(a) for a in argv])
+    torch.set_num_threads(threads)
+
+
+def test_no_arguments_but_the_checkpoint_repeats_train_top1(trained, tmp_path):
+    out, train_stdout = trained
+    printed = FINAL.findall(train_stdout)[-1]
+    result = run_script("eval.py", "--resume", out / "model_best.pth.tar", env=CPU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert FINAL.findall(result.stdout) == [printed]  # top-1 and top-5, to the printed digit
+    loss, images, speed = EVAL_TAIL.search(result.stdout).groups()
+    assert int(images) == DIGITS_VAL and float(speed) > 0 and 0 < float(loss) < 10
+    # Everything came from the checkpoint: digits, 32 px, batch 16, O2 with bf16.
+    assert "=> digits val: 359 images | 10 classes" in result.stdout
+    assert "batch 16 per process | 32 px" in result.stdout
+    assert "precision: O2 bf16" in result.stdout
+    assert re.search(r"Test: \[\d+/\d+\]\tTime [\d.]+\tSpeed [\d.]+\tLoss [\d.]+\tPrec@1 [\d.]+\tPrec@5 [\d.]+",
+                     result.stdout), "no Apex-style progress lines"
+
+
+@pytest.mark.parametrize("flags", [
+    ["--opt-level", "O0"],
+    ["--opt-level", "O1", "--mixed-precision", "bf16"],
+    ["--opt-level", "O1", "--mixed-precision", "fp16", "--channels-last"],
+    ["--opt-level", "O2", "--mixed-precision", "fp16"],
+    ["--opt-level", "O3", "--mixed-precision", "bf16", "--channels-last", "True"],
+    ["--opt-level", "O3", "--mixed-precision", "bf16", "--keep-batchnorm-fp32", "True"],
+])
+def test_every_opt_level_scores_close_to_fp32(trained, evaluate, fp32_result, flags):
+    reference = fp32_result
+    result = evaluate("--resume", trained[0] / "checkpoint.pth.tar", "-j", "0", "-b", "64", *flags)
+    assert result.count == reference.count == DIGITS_VAL
+    assert abs(result.top1 - reference.top1) <= 1.5, (result.top1, reference.top1)  # a few near-ties flip
+    assert abs(result.loss - reference.loss) <= 0.03, (result.loss, reference.loss)
+
+
+def test_results_files_and_overrides(trained, evaluate, tmp_path):
+    out, _ = trained
+    checkpoint = out / "checkpoint.pth.tar"
+    digits = os.path.join(os.environ["IMAGENET_AMP_CACHE"], "digits-v1")
+    as_json = tmp_path / "sub" / "r.json"
+    evaluate("--resume", checkpoint, digits, "--image-size", "40", "-b", "50", "-j", "0",
+             "--results-file", as_json)
+    record = json.loads(as_json.read_text())
+    assert (record["epoch"], record["arch"], record["opt_level"]) == (1, "resnet18", "O2")
+    assert (record["eval_opt_level"], record["eval_dtype"]) == ("O2", "bf16")  # inherited
+    assert (record["data"], record["image_size"], record["batch_size"]) == (digits, 40, 50)  # overridden
+    assert record["images"] == DIGITS_VAL and 0 <= record["top5"] <= 100 and record["images_per_sec"] > 0
+
+    as_csv = tmp_path / "r.csv"
+    result = evaluate("--resume", checkpoint, "-j", "0", "--opt-level", "O0", "--results-file", as_csv)
+    with open(as_csv, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 1 and rows[0]["eval_opt_level"] == "O0" and rows[0]["eval_dtype"] == "no"
+    assert float(rows[0]["top1"]) == pytest.approx(result.top1, abs=1e-4)
+    assert int(rows[0]["images"]) == DIGITS_VAL and rows[0]["data"] == "digits"
+
+
+def test_val_only_folder_is_enough(trained, evaluate, tmp_path):
+    """Evaluating needs val/ only (a train/ folder is not read)."""
+    out, _ = trained
+    digits = os.path.join(os.environ["IMAGENET_AMP_CACHE"], "digits-v1")
+    val_only = tmp_path / "val_only"
+    shutil.copytree(os.path.join(digits, "val"), val_only / "val")
+    result = evaluate("--resume", out / "checkpoint.pth.tar", val_only, "-j", "0")
+    assert result.count == DIGITS_VAL
+
+
+def test_checkpoint_and_data_mistakes_are_usage_errors(trained, evaluate, tmp_path):
+    out, _ = trained
+    checkpoint = out / "checkpoint.pth.tar"
+
+    def refused(*argv, match):
+        with pytest.raises(UsageError, match=match):
+            evaluate(*argv)
+
+    refused("-j", "0", match="needs a checkpoint: --resume")
+    refused("--resume", tmp_path / "missing.pth.tar", match="no checkpoint at")
+    data = checkpoint.read_bytes()
+    (tmp_path / "truncated.pth.tar").write_bytes(data[: len(data) // 3])
+    refused("--resume", tmp_path / "truncated.pth.tar", match="truncated or not a checkpoint")
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    refused("--resume", tmp_path / "notes.txt", match="truncated or not a checkpoint")
+    torch.save({"weights": torch.ones(3)}, tmp_path / "other.pth")
+    refused("--resume", tmp_path / "other.pth", match="not a train.py checkpoint")
+
+    refused("--resume", checkpoint, "-a", "resnet34", match="holds a resnet18 model, not -a resnet34")
+    refused("--resume", checkpoint, "--num-classes", "7", match="has 10 classes, not --num-classes 7")
+    refused("--resume", checkpoint, "--lr", "0.5", "--epochs", "3", match="--epochs, --lr: training flag")
+
+    three = make_image_folder(tmp_path / "three", classes=3, per_class=2, splits=("val",))
+    refused("--resume", checkpoint, three, match="other classes than checkpoint")
+    ten = make_image_folder(tmp_path / "ten", classes=10, per_class=1, splits=("val",))
+    refused("--resume", checkpoint, ten, "-j", "0", match=r"10 vs 10; not in the checkpoint: \['class0'")
+
+    state = torch.load(checkpoint, weights_only=True)
+    state["args"]["data"] = str(tmp_path / "moved-away")
+    save_checkpoint(state, False, tmp_path / "moved")
+    refused("--resume", tmp_path / "moved" / "checkpoint.pth.tar",
+            match="was trained on DATA .*moved-away.*which does not exist here; give DATA")
+
+
+def test_errors_exit_2_with_one_line(trained, tmp_path):
+    out, _ = trained
+    three = make_image_folder(tmp_path / "three", classes=3, per_class=2, splits=("val",))
+    for argv, needle in [(["--resume", tmp_path / "nothing.pth.tar"], "no checkpoint"),
+                         (["--resume", out / "checkpoint.pth.tar", three, "-j", "0"], "other classes"),
+                         (["--resume", out / "checkpoint.pth.tar", "--results-file", "r.txt"], ".json or .csv")]:
+        result = run_script("eval.py", *argv, env=CPU)
+        lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning:")]
+        assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+        assert needle in lines[0] and "Traceback" not in result.stderr, lines[0]
+
+
+def test_help_lists_eval_flags_with_defaults_and_hides_training_ones():
+    result = run_script("eval.py", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for flag in ("--resume", "--results-file", "--opt-level", "--channels-last", "--image-size", "-b N"):
+        assert flag in text, flag
+    for flag in ("--lr", "--epochs", "--momentum", "--sync_bn", "--prof", "--min-scale"):
+        assert f" {flag} " not in text, flag
+    assert "the checkpoint's value unless given" in text

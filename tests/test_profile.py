@@ -1,0 +1,262 @@
+"""profile.py: the --prof window, the phase table, --trace, --benchmark, and the NVTX/cudaProfiler calls."""
+import csv
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script
+from utils.errors import UsageError
+from utils.profiling import DATA_RANGE, WAIT_RANGE, NvtxWindow, PhaseProfiler, WallClock
+
+TINY = ["-a", "resnet18", "--image-size", "16"]
+PHASES = ["data wait", "host-to-device", "forward", "backward", "optimizer step", "other"]
+LOOP_RANGES = [DATA_RANGE, "forward", "backward", "optimizer.step()"]
+
+
+def load_profile_script():
+    """profile.py as a module under another name (the name 'profile' is the stdlib's)."""
+    spec = importlib.util.spec_from_file_location("profile_script", os.path.join(ROOT, "profile.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def phase_table(stdout):
+    """{label: mean ms} for the phase rows, plus 'sum of phases' and 'measured step'."""
+    rows = {}
+    for line in stdout.splitlines():
+        match = re.match(r"^(data wait|host-to-device|forward|backward|optimizer step|other|"
+                         r"sum of phases|measured step)\s+(-?[\d.]+)\s+(-?[\d.]+)%", line)
+        if match:
+            rows[match.group(1)] = float(match.group(2))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def digits_profile(cache_dir, tmp_path_factory):
+    """One --prof 3 run on the digits demo with a trace: 3 warm-up steps, a window of 2."""
+    out = tmp_path_factory.mktemp("profile")
+    trace = out / "trace.json"
+    result = run_script("profile.py", *TINY, "-b", "8", "-j", "1", "-p", "1", "--prof", "3",
+                        "--prof-steps", "2", "--trace", trace, "--output-dir", out, timeout=300)
+    return result, trace
+
+
+def test_prof_exits_cleanly_after_the_window(digits_profile):
+    result, _ = digits_profile
+    assert result.returncode == 0, result.stderr
+    # -p 1 logs every step the loop ran: the 3 warm-up steps and the 2 of the window, no more.
+    steps = re.findall(r"^Epoch: \[0\]\[(\d+)/\d+\]", result.stdout, flags=re.M)
+    assert [int(s) for s in steps] == [1, 2, 3, 4, 5]
+    assert "=> ran 5 steps" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_phase_table_adds_up_to_the_step(digits_profile):
+    result, _ = digits_profile
+    rows = phase_table(result.stdout)
+    assert set(PHASES) <= set(rows), result.stdout
+    assert all(rows[label] >= 0 for label in PHASES)
+    assert rows["forward"] > 0 and rows["backward"] > 0 and rows["optimizer step"] > 0
+    total = sum(rows[label] for label in PHASES)
+    assert abs(total - rows["measured step"]) <= 0.10 * rows["measured step"], result.stdout
+    assert re.search(r"^throughput: [\d.]+ img/s", result.stdout, flags=re.M)
+    assert "peak GPU memory:" in result.stdout
+    assert "precision: O0 fp32" in result.stdout
+    if not torch.cuda.is_available():
+        assert "NVTX" in result.stderr and "cudaProfiler" in result.stderr and "CUDA-event" in result.stderr
+
+
+def test_trace_holds_the_named_ranges_of_the_window(digits_profile):
+    result, trace = digits_profile
+    assert result.returncode == 0, result.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {event.get("name") for event in events}
+    assert set(LOOP_RANGES + [WAIT_RANGE]) <= names
+    bodies = sorted(name for name in names if name and name.startswith("Body of iteration"))
+    assert bodies == ["Body of iteration 3", "Body of iteration 4"]
+
+
+def test_benchmark_sweeps_every_opt_level_and_layout_by_default():
+    script = load_profile_script()
+    args = script.build_profile_parser().parse_args(["--benchmark"])
+    assert script.benchmark_configs(args) == [(level, layout) for level in ("O0", "O1", "O2", "O3")
+                                              for layout in (False, True)]
+
+
+def test_benchmark_writes_one_row_per_config(cache_dir, tmp_path):
+    # Two levels (fp32, and half weights with fp32 masters) keep it quick; the sweep is the same code.
+    out = tmp_path / "bench.csv"
+    result = run_script("profile.py", "--benchmark", "synthetic", *TINY, "-b", "2", "--num-classes", "10",
+                        "--prof", "0", "--prof-steps", "1", "--mixed-precision", "bf16",
+                        "--benchmark-levels", "O0,O2", "--benchmark-csv", out, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(out) as handle:
+        rows = list(csv.DictReader(handle))
+    configs = [(row["opt_level"], row["dtype"], row["channels_last"]) for row in rows]
+    assert configs == [("O0", "fp32", "False"), ("O0", "fp32", "True"), ("O2", "bf16", "False"),
+                       ("O2", "bf16", "True")]
+    assert all(float(row["img_per_s"]) > 0 and float(row["ms_per_step"]) > 0 for row in rows)
+    assert rows[0]["ratio"] == "1.000"
+    for row in rows:  # the printed table has the same rows
+        assert re.search(rf"^{row['opt_level']}\s+{row['dtype']}\s+{row['channels_last']}\s+[\d.]+",
+                         result.stdout, flags=re.M)
+
+
+def record_cuda_calls(monkeypatch, calls, call_through):
+    """Record NVTX pushes/pops and cudaProfilerStart/Stop (calling the real ones on a GPU)."""
+    real_push, real_pop, real_cudart = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop, torch.cuda.cudart
+
+    class Cudart:
+        def cudaProfilerStart(self):
+            calls.append(("start",))
+            if call_through:
+                real_cudart().cudaProfilerStart()
+
+        def cudaProfilerStop(self):
+            calls.append(("stop",))
+            if call_through:
+                real_cudart().cudaProfilerStop()
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push",
+                        lambda name: (calls.append(("push", name)), call_through and real_push(name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: (calls.append(("pop",)), call_through and real_pop()))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    if not call_through:
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+
+
+def check_nvtx_calls(calls, start, length, total, inner):
+    """Apex's pattern: a 'Body of iteration i' range around each step's ranges, cudaProfilerStart
+    just before the body of step `start`, cudaProfilerStop after the body of step start+length-1."""
+    calls = [tuple(call) for call in calls]
+    assert calls.count(("start",)) == 1 and calls.count(("stop",)) == 1
+    assert calls[calls.index(("start",)) + 1] == ("push", f"Body of iteration {start}")
+    assert calls[-1] == ("stop",)  # nothing after the window: the run ended there
+    bodies = [call[1] for call in calls if call[0] == "push" and call[1].startswith("Body of iteration")]
+    assert bodies == [f"Body of iteration {i}" for i in range(total)]
+    depth, steps = 0, []
+    for call in calls:
+        if call[0] == "push":
+            if depth == 0:
+                steps.append([])
+            elif depth == 1:
+                steps[-1].append(call[1])
+            depth += 1
+        elif call[0] == "pop":
+            depth -= 1
+            assert depth >= 0
+    assert depth == 0
+    assert steps == [inner] * total
+    assert start + length == total
+
+
+@pytest.mark.parametrize("hook", [NvtxWindow, PhaseProfiler])
+def test_nvtx_window_calls_and_counts_across_epochs(monkeypatch, hook):
+    """The hooks driven like the loop drives them, with epochs of 3 steps and a window of 2..4."""
+    calls = []
+    record_cuda_calls(monkeypatch, calls, call_through=False)
+    phases = hook(2, 3, nvtx=True) if hook is NvtxWindow else hook(2, 3, nvtx=True, clock=WallClock())
+    done = False
+    for epoch in range(3):
+        for step in range(3):  # the loop's own step restarts each epoch
+            phases.begin_step(step)
+            with phases.range(DATA_RANGE):
+                with phases.range(WAIT_RANGE):
+                    pass
+            for name in LOOP_RANGES[1:]:
+                with phases.range(name):
+                    pass
+            if phases.end_step(step):
+                done = True
+                break
+        if done:
+            break
+    assert phases.finished and (epoch, step) == (1, 1)
+    check_nvtx_calls(calls, start=2, length=3, total=5, inner=LOOP_RANGES)
+    if hook is PhaseProfiler:
+        labels = [label for label, _ in phases.times.phases]
+        assert labels == PHASES and phases.times.steps == 3
+
+
+@pytest.mark.gpu
+def test_nvtx_and_cuda_profiler_calls_on_the_gpu(cache_dir, tmp_path):
+    """profile.py itself on the GPU, its NVTX and cudaProfiler calls recorded through a hook."""
+    harness = tmp_path / "harness.py"
+    harness.write_text(f"""
+import json, runpy, sys
+sys.path.insert(0, {ROOT!r})
+import pytest, torch
+sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+from test_profile import record_cuda_calls
+calls = []
+with pytest.MonkeyPatch.context() as monkeypatch:
+    record_cuda_calls(monkeypatch, calls, call_through=True)
+    sys.argv = ["profile.py"] + sys.argv[1:]
+    try:
+        runpy.run_path({os.path.join(ROOT, 'profile.py')!r}, run_name="__main__")
+    finally:
+        print("CALLS " + json.dumps(calls))
+""")
+    result = run_script(str(harness), "synthetic", *TINY, "-b", "8", "--num-classes", "10", "--prof", "3",
+                        "--prof-steps", "2", "--opt-level", "O1", "--output-dir", tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    calls = json.loads(result.stdout.split("CALLS ", 1)[1])
+    check_nvtx_calls(calls, start=3, length=2, total=5, inner=LOOP_RANGES)
+    rows = phase_table(result.stdout)
+    assert abs(sum(rows[label] for label in PHASES) - rows["measured step"]) <= 0.10 * rows["measured step"]
+    assert re.search(r"peak GPU memory: [\d.]+ GiB", result.stdout)
+
+
+def test_help_lists_the_profile_flags_with_defaults():
+    text = load_profile_script().build_profile_parser().format_help()
+    for flag, default in [("--prof", "100"), ("--prof-steps", "10"), ("--trace", "none"),
+                          ("--benchmark-csv", "benchmark.csv in --output-dir"),
+                          ("--benchmark-levels", "O0,O1,O2,O3"), ("--benchmark-channels-last", "False,True")]:
+        assert flag in text
+        assert f"default: {default}" in " ".join(text.split()), flag
+    assert "--benchmark " in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-e"], "-e/--evaluate"),
+    (["--benchmark-csv", "x.csv"], "only applies with --benchmark"),
+    (["--benchmark", "--opt-level", "O2"], "--benchmark-levels"),
+    (["--benchmark", "--channels-last"], "--benchmark-channels-last"),
+    (["--benchmark", "--trace", "t.json"], "cannot be combined"),
+    (["--trace", "/no/such/folder/t.json"], "does not exist"),
+])
+def test_bad_flags_are_usage_errors(cache_dir, argv, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_profile_script().main(argv)
+
+
+@pytest.mark.parametrize("argv", [["--prof", "-1"], ["--prof-steps", "0"], ["--benchmark-levels", "O4"]])
+def test_bad_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_profile_script().main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_too_few_steps_for_the_window_is_a_usage_error(cache_dir):
+    result = run_script("profile.py", "synthetic", *TINY, "-b", "2", "--epochs", "1", "--prof", "100",
+                        "--prof-steps", "10", "--steps-per-epoch", "0", timeout=300)
+    assert result.returncode == 2
+    assert "needs 110 training steps" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_stdlib_profile_module_still_imports_from_here():
+    """torch imports cProfile, which imports the stdlib `profile`; with this folder first on
+    sys.path (any script run from it) that import finds profile.py, which must hand it over."""
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); import torchvision, cProfile, profile, sysconfig; "
+            "assert profile.__file__.startswith(sysconfig.get_path('stdlib')), profile.__file__; "
+            "cProfile.run('sum(range(10))')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
