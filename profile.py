@@ -7,7 +7,7 @@
 
 Same flags as train.py. The run trains --prof warm-up steps, then a window of --prof-steps steps
 (NVTX ranges on every step, cudaProfilerStart/Stop around the window), and stops cleanly. See
-docs/profiling.md for how to read the table.
+README.md (profile.py section) for how to read the table.
 """
 import sys
 
