@@ -7,7 +7,6 @@
 The story: parse flags -> resolve the precision recipe -> data -> model, optimizer (resumed if
 asked) -> per epoch: train, validate, checkpoint. Details live in utils/.
 """
-import os
 
 import torch
 

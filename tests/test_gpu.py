@@ -3,11 +3,10 @@ import re
 
 import pytest
 import torch
-from torch import nn
 
 from conftest import run_script
-from test_precision import TinyNet
-from test_train import APEX_LINE, FINAL, QUICK, losses
+from test_precision import TinyNet, train_step
+from test_train import FINAL, QUICK, losses
 from utils.precision import Precision, build_sgd, resolve_recipe
 
 pytestmark = pytest.mark.gpu
@@ -26,18 +25,7 @@ def cuda_setup(level, keep_bn=None, loss_scale=None, channels_last=False):
 
 
 def step(model, precision, optimizer, accelerator, poison=None):
-    x = torch.randn(8, 3, 8, 8, device="cuda")
-    y = torch.randint(0, 4, (8,), device="cuda")
-    with precision.autocast():
-        out = model(x)
-        loss = nn.functional.cross_entropy(out, y)
-    precision.backward(loss, accelerator)
-    if poison is not None:
-        grad = next(model.parameters()).grad
-        grad[(0,) * grad.dim()] = poison  # indexing, not view(): channels_last grads too
-    precision.step(optimizer)
-    precision.zero_grad(model, optimizer)
-    return out
+    return train_step(model, precision, optimizer, accelerator, poison, device="cuda")
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])

@@ -30,9 +30,9 @@ def setup(level, dtype_name, keep_bn=None, loss_scale=None):
     return model, precision, optimizer
 
 
-def train_step(model, precision, optimizer, accelerator, poison=None):
+def train_step(model, precision, optimizer, accelerator, poison=None, device="cpu"):
     torch.manual_seed(1)
-    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 4, (4,))
+    x, y = torch.randn(4, 3, 6, 6, device=device), torch.randint(0, 4, (4,), device=device)
     with precision.autocast():
         out = model(x)
         loss = nn.functional.cross_entropy(out, y)

@@ -171,7 +171,6 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
     meter = DeviceMeter(accelerator.device, data.num_classes)
     steps = len(data.val)
     start = time.perf_counter()
-    local = [0.0, 0.0, 0.0, 0.0]
     progress.begin(steps, "Test", unit="batch")
     for step, (images, target) in enumerate(data.val):
         with precision.autocast():
@@ -180,8 +179,7 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
         meter.update(loss, output, target)
         progress.advance()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps:
-            sums = meter.sums.tolist()
-            running = averages([a + b for a, b in zip(local, sums)])
+            running = averages(meter.sums.tolist())  # this process only: no collective here
             elapsed = time.perf_counter() - start
             log(f"Test: [{step + 1}/{steps}]\tTime {elapsed / (step + 1):.3f}\t"
                 f"Speed {running['count'] * accelerator.num_processes / elapsed:.3f}\t"
