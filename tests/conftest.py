@@ -11,7 +11,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
-    config.addinivalue_line("markers", "slow: long; run with -m slow")
 
 
 def pytest_collection_modifyitems(config, items):
