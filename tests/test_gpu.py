@@ -80,3 +80,20 @@ def test_deterministic_gpu_runs_repeat_and_resume_exactly(cache_dir, tmp_path):
     straight = run_script("train.py", "--epochs", "3", "--output-dir", tmp_path / "s", *common)
     assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr + straight.stderr
     assert losses(straight.stdout)[-4:] == losses(resumed.stdout)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_bf16_levels_with_loss_scale_on_cuda(accelerator, level):
+    """bf16 grads with a loss scale (O3's default static 1.0): torch's fused unscale kernel has
+    no bf16 CUDA version, so the portable path must take over."""
+    recipe, _ = resolve_recipe(level, None, 1.0, "bf16", None)
+    torch.manual_seed(0)
+    model = TinyNet().cuda()
+    precision = Precision(recipe, model, "cuda")
+    optimizer = build_sgd(precision.optimizer_params(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    before = [p.detach().clone() for p in model.parameters()]
+    step(model, precision, optimizer, accelerator, poison=float("inf"))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    step(model, precision, optimizer, accelerator)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert int(precision.skipped_steps()) == 1 and float(precision.loss_scale_value()) == 1.0

@@ -193,3 +193,22 @@ def test_o2_masters_keep_the_fp32_bits_they_were_built_from():
     precision = Precision(recipe, model, "cpu")
     assert torch.equal(precision.master_of[model.conv.weight], original)
     assert not torch.equal(original.to(torch.bfloat16).float(), original)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_portable_unscale_matches_the_fused_kernel(dtype):
+    """The fallback used where torch's fused kernel lacks a dtype (bf16 on CUDA) agrees with it."""
+    from utils.precision import unscale_and_check_foreach
+    inv_scale = torch.full((), 1 / 128.0)
+    for poison in (None, float("inf"), float("nan")):
+        torch.manual_seed(0)
+        grads = [torch.randn(5, 3).to(dtype) * 128, torch.randn(7).to(dtype) * 128]
+        if poison is not None:
+            grads[1][3] = poison
+        fused = [g.clone() for g in grads]
+        found_fused, found_portable = torch.zeros(()), torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(fused, found_fused, inv_scale)
+        unscale_and_check_foreach(grads, found_portable, inv_scale)
+        assert float(found_portable) == float(found_fused) == (0.0 if poison is None else 1.0)
+        if poison is None:
+            assert all(torch.equal(a, b) for a, b in zip(grads, fused))

@@ -156,7 +156,10 @@ class LossScaler:
         for grad in grads:
             by_dtype.setdefault(grad.dtype, []).append(grad)
         for group in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+            except NotImplementedError:  # e.g. bf16 grads on CUDA (O3 bf16): same result, 3 launches
+                unscale_and_check_foreach(group, found_inf, inv_scale)
         return found_inf
 
     def update(self, found_inf):
@@ -175,6 +178,17 @@ class LossScaler:
         if self.dynamic and state.get("dynamic"):
             self.scale.fill_(state["scale"])
             self.growth_tracker.fill_(state["growth_tracker"])
+
+
+def unscale_and_check_foreach(grads, found_inf, inv_scale):
+    """Portable twin of torch's fused unscale-and-check, still without a host sync.
+
+    The max-abs of a tensor is inf when it holds an inf and NaN when it holds a NaN, so one
+    foreach max-norm finds both; found_inf is raised in place on the device.
+    """
+    peaks = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+    found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(peaks)).any().float()))
+    torch._foreach_mul_(grads, inv_scale.to(grads[0].dtype))
 
 
 def _is_batchnorm(module):
