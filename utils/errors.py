@@ -27,3 +27,9 @@ def one_line(err):
         text = text.strip().splitlines()[-1]
         text = text.split("UsageError: ", 1)[-1]
     return text
+
+
+def first_line(err, limit=300):
+    """The first line of an exception's message (or its type name), for one-line error summaries."""
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:limit]

@@ -1,0 +1,74 @@
+"""Atomic file writes: a reader, a crash or a kill never leaves half a file behind.
+
+Every file the project writes (checkpoints, logs, CSVs, the digits cache) goes through here:
+write to a temp file in the destination's folder, optionally fsync, then rename it over the
+destination. A failure at any point removes the temp file and leaves the old file untouched.
+"""
+import contextlib
+import os
+import shutil
+import tempfile
+
+TEMP_PREFIX = ".tmp-"  # temp files and folders start with this; a killed writer leaves only these
+
+
+def _publish(tmp, path):
+    """The one rename of the project: atomic on POSIX within one file system."""
+    os.replace(tmp, path)
+
+
+def atomic_write(path, content, fsync=False):
+    """Write content to path atomically; content is bytes, str, or a callable(binary handle).
+
+    fsync=True flushes the data to disk before the rename (checkpoints: a power cut must not
+    leave a renamed but empty file). Returns path.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix="-" + os.path.basename(path), dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if callable(content):
+                content(handle)
+            else:
+                handle.write(content.encode() if isinstance(content, str) else content)
+            handle.flush()
+            if fsync:
+                os.fsync(handle.fileno())
+        # mkstemp makes 0600 files; give the file the permissions an ordinary open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        _publish(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def copy_atomic(source, path, fsync=False):
+    """Copy the file source to path atomically (model_best.pth.tar from checkpoint.pth.tar)."""
+    with open(source, "rb") as src:
+        return atomic_write(path, lambda handle: shutil.copyfileobj(src, handle), fsync=fsync)
+
+
+@contextlib.contextmanager
+def atomic_directory(path):
+    """Yield a temp folder beside path; on success it becomes path, on failure it is removed.
+
+    If path appeared meanwhile (another process finished first), the temp folder is dropped and
+    the existing one kept.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
+    try:
+        yield tmp
+        try:
+            _publish(tmp, path)
+        except OSError:  # path exists and is not empty: someone else built it
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
