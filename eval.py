@@ -20,10 +20,12 @@ import sys
 import torch
 
 from utils.checkpoint import load_checkpoint, load_model_weights
-from utils.cli import build_parser
+from utils.cli import (FlagSafeHelpFormatter, OneLineErrorParser, add_data_args, add_datasets_args,
+                       add_precision_args, add_run_args, positive_int)
 from utils.data import build_data
 from utils.engine import validate
 from utils.errors import UsageError, exit_on_usage_error
+from utils.files import atomic_write
 from utils.logs import Progress
 from utils.models import build_model
 from utils.precision import HALF_DTYPES, Precision
@@ -35,11 +37,18 @@ FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "interpolation", "mean", "s
                    "val_split", "image_column", "label_column")
 # How a datasets source is read: inherited only together with the checkpoint's DATA.
 DATA_READING = ("val_split", "image_column", "label_column")
-# Flags of the shared parser that only a training run uses; eval.py refuses them.
-TRAIN_ONLY = ("min_scale", "hflip", "steps_per_epoch", "train_split", "pretrained", "loss_scale",
-              "seed", "sync_bn", "prof", "output_dir", "epochs", "start_epoch", "lr", "lr_schedule",
-              "warmup_epochs", "momentum", "weight_decay", "log_with")
+# Training settings the shared start-up and data code reads; evaluation uses none of them.
+NOT_EVALUATED = {"steps_per_epoch": 0, "prof": -1, "seed": 0, "train_split": None, "loss_scale": None}
 RESULT_FORMATS = (".json", ".csv")
+INHERITED = """\
+defaults: DATA, -b, --image-size, --crop-pct, --interpolation, --opt-level, --keep-batchnorm-fp32,
+  --channels-last and the datasets columns take the checkpoint's value unless given (the defaults
+  printed above apply only where the checkpoint has none); --mixed-precision comes from the
+  Accelerate config if it names fp16/bf16, else the dtype the checkpoint was trained with."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagSafeHelpFormatter):
+    """The usage examples and the defaults note keep their lines; flag help wraps as elsewhere."""
 
 
 def results_path(text):
@@ -50,46 +59,49 @@ def results_path(text):
 
 
 def build_eval_parser():
-    """The shared parser, with training-only flags hidden and eval.py's own flag added."""
-    parser = build_parser(description=__doc__, prog="eval.py")
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the usage examples' lines
-    for action in parser._actions:  # argparse has no public way to hide an added argument
-        if action.dest in TRAIN_ONLY:
-            action.help = argparse.SUPPRESS
-        elif action.dest in FROM_CHECKPOINT and action.help:
-            action.help += "; eval.py: the checkpoint's value unless given"
-        elif action.dest == "resume":
-            action.help = "the checkpoint to evaluate, written by train.py (required)"
-        elif action.dest == "evaluate":
-            action.help = "accepted for train.py command lines; eval.py always only evaluates"
-        elif action.dest == "num_classes":
-            action.help = "must match the checkpoint's classifier (default: the checkpoint's)"
-        elif action.dest == "mixed_precision":
-            action.help = ("half dtype for O1-O3 (default: fp16/bf16 from the Accelerate config if it "
-                           "names one, else the dtype the checkpoint was trained with)")
-        elif action.dest == "arch":
-            action.help = "must match the checkpoint's architecture (default: the checkpoint's)"
-    parser.add_argument("--results-file", type=results_path, default=None, metavar="PATH",
-                        help="also write the figures, with the checkpoint's epoch, arch and opt level, "
-                             "to PATH: .json (one object) or .csv (a header and one row) "
-                             "(default: none)")
+    """eval.py's own flags, and the data, precision and run flags it shares with train.py."""
+    parser = OneLineErrorParser(prog="eval.py", description=__doc__, epilog=INHERITED,
+                                formatter_class=HelpFormatter)
+    group = parser.add_argument_group("checkpoint")
+    group.add_argument("--resume", default="", metavar="PATH",
+                       help="the checkpoint to evaluate, written by train.py (required)")
+    group.add_argument("-a", "--arch", default=None, metavar="ARCH",
+                       help="must match the checkpoint's architecture (default: the checkpoint's)")
+    group.add_argument("--num-classes", type=positive_int, default=None, metavar="N",
+                       help="must match the checkpoint's classifier (default: the checkpoint's)")
+    group.add_argument("--results-file", type=results_path, default=None, metavar="PATH",
+                       help="also write the figures, with the checkpoint's epoch, arch and opt level, "
+                            "to PATH: .json (one object) or .csv (a header and one row) (default: none)")
+    group.add_argument("-e", "--evaluate", action="store_true",
+                       help="accepted for train.py command lines; eval.py always only evaluates")
+    add_data_args(parser, training=False)
+    add_datasets_args(parser, training=False)
+    add_precision_args(parser, training=False)
+    add_run_args(parser, training=False)
+    parser.set_defaults(**NOT_EVALUATED)
     return parser
 
 
-def given_flags(argv):
-    """The dests the user typed: a second parse where no flag has a default, so only those appear."""
-    parser = build_eval_parser()
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv)))
+class OnlyTyped(argparse.Namespace):
+    """A namespace that claims every public attribute, so argparse fills in no defaults: after a
+    parse it holds only what the command line set (and DATA as None, argparse's one exception)."""
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # argparse's own bookkeeping attributes
+            raise AttributeError(name)
+        return None
 
 
-def refuse_training_flags(given):
-    refused = sorted(dest for dest in given if dest in TRAIN_ONLY)
-    if refused:
-        names = ", ".join("--" + dest.replace("_", "-") for dest in refused)
-        raise UsageError(f"{names}: training flag(s) that eval.py does not use; drop them (eval.py takes "
-                         "DATA, -a, -b, -j, image and precision flags, --resume and --results-file)")
+def typed_flags(argv):
+    """The first parse: answers --help and bad values; returns (dests the user typed, --resume)."""
+    typed, unknown = build_eval_parser().parse_known_args(argv, namespace=OnlyTyped())
+    flags = sorted({arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")})
+    if flags:
+        raise UsageError(f"{', '.join(flags)}: not eval.py flag(s); eval.py takes no training flags "
+                         "(--lr, --epochs, ...): drop them (see eval.py --help)")
+    if unknown:
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see eval.py --help)")
+    return {dest for dest, value in vars(typed).items() if value is not None}, typed.resume
 
 
 def checkpoint_num_classes(checkpoint):
@@ -115,15 +127,12 @@ def checkpoint_half_dtype(checkpoint):
 
 def parse_eval_args(argv):
     """Command line over checkpoint: argparse's own precedence does the merge, because the
-    checkpoint's settings become the parser's defaults before the real parse."""
+    checkpoint's settings become the parser's defaults before the second, real, parse."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_eval_parser()
-    first = parser.parse_args(argv)  # --help, and bad values, are answered here
-    given = given_flags(argv)
-    refuse_training_flags(given)
-    if not first.resume:
+    given, resume = typed_flags(argv)
+    if not resume:
         raise UsageError("eval.py needs a checkpoint: --resume PATH (e.g. model_best.pth.tar)")
-    checkpoint = load_checkpoint(first.resume)
+    checkpoint = load_checkpoint(resume)
     stored = checkpoint.get("args") or {}
     inherit = [key for key in FROM_CHECKPOINT if not ("data" in given and key in DATA_READING)]
     # set_defaults also covers mean/std, which are no flags: parse_args puts them on args as well.
@@ -131,6 +140,7 @@ def parse_eval_args(argv):
     defaults["arch"] = checkpoint["arch"]
     defaults["opt_level"] = checkpoint.get("opt_level") or defaults.get("opt_level")
     defaults["num_classes"] = checkpoint_num_classes(checkpoint)
+    parser = build_eval_parser()
     parser.set_defaults(**defaults)
     args = parse_args(parser, argv)
     check_against_checkpoint(args, given, checkpoint, defaults)
@@ -214,12 +224,7 @@ def write_results(record, path):
         writer.writeheader()
         writer.writerow(record)
         text = buffer.getvalue()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    with open(tmp, "w", newline="") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@
 
 Same flags as train.py. The run trains --prof warm-up steps, then a window of --prof-steps steps
 (NVTX ranges on every step, cudaProfilerStart/Stop around the window), and stops cleanly. See
-README.md (profile.py section) for how to read the table.
+docs/profiling.md for how to read the table.
 """
 import sys
 
@@ -32,13 +32,14 @@ else:
 
     import torch
 
-    from utils.cli import OPT_LEVELS, build_parser, non_negative_int, opt_level_type, positive_int, str2bool
+    from utils.cli import (OPT_LEVELS, build_training_parser, non_negative_int, opt_level_type, positive_int,
+                           str2bool)
     from utils.data import build_data
-    from utils.engine import train_one_epoch
+    from utils.engine import train_one_epoch, training_epochs
     from utils.errors import UsageError, exit_on_usage_error
     from utils.profiling import (BenchmarkRow, PhaseProfiler, cuda_parts_skipped, format_benchmark_table,
                                  format_phase_table, time_data_wait, write_benchmark_csv)
-    from utils.setup import build_training_state, make_accelerator, parse_args, resume_checkpoint, warn
+    from utils.setup import build_or_resume, make_accelerator, parse_args, warn
 
 PROF_DEFAULT = 100  # warm-up steps before the window: past cudnn.benchmark's search and allocator growth
 
@@ -56,16 +57,13 @@ def comma_list(item_type):
 
 
 def build_profile_parser():
-    parser = build_parser(description=__doc__.splitlines()[0])
-    # profile.py always profiles: --prof is the warm-up before the window and cannot be off.
-    for action in parser._actions:  # argparse has no public lookup of a flag added elsewhere
-        if action.dest == "prof":
-            action.type = non_negative_int
-            action.help = ("warm-up steps before the window: NVTX ranges on every step, "
-                           "cudaProfilerStart at step N, cudaProfilerStop and a clean exit "
-                           f"--prof-steps later (default: {PROF_DEFAULT})")
-    parser.set_defaults(prof=PROF_DEFAULT)
+    """train.py's flags, and profile.py's own: an always-on --prof and the window, trace and sweep."""
+    parser = build_training_parser(description=__doc__.splitlines()[0])
     group = parser.add_argument_group("profile.py")
+    group.add_argument("--prof", type=non_negative_int, default=PROF_DEFAULT, metavar="N",
+                       help="warm-up steps before the window: NVTX ranges on every step, "
+                            "cudaProfilerStart at step N, cudaProfilerStop and a clean exit "
+                            f"--prof-steps later (default: {PROF_DEFAULT})")
     group.add_argument("--prof-steps", type=positive_int, default=10, metavar="N",
                        help="steps in the window: captured by nsys, timed for the phase table, "
                             "traced by --trace (default: 10, as Apex)")
@@ -130,18 +128,12 @@ def train_window(args, accelerator, recipe, phases, log):
     if accelerator.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(accelerator.device)
     data = build_data(args, accelerator)
-    check_enough_steps(args, data)
-    checkpoint = resume_checkpoint(args, accelerator)
     num_classes = args.num_classes or data.num_classes
-    model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        precision.load_state_dict(checkpoint.get("loss_scale"))
+    model, optimizer, precision, _ = build_or_resume(args, accelerator, recipe, num_classes)
+    check_enough_steps(args, data)  # after --resume moved args.start_epoch
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
     time_data_wait(data.train, phases)
-    for epoch in range(args.start_epoch, args.epochs):
-        data.set_epoch(epoch)
-        torch.manual_seed(args.seed * 1000 + epoch * 7 + accelerator.process_index)
+    for epoch in training_epochs(args, data, accelerator):
         train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases, log)
         if phases.finished:
             break

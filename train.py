@@ -11,13 +11,13 @@ asked) -> per epoch: train, validate, checkpoint. Details live in utils/.
 import torch
 
 from utils.checkpoint import save_checkpoint
-from utils.cli import add_log_args, build_parser
-from utils.data import build_data, source_kind
-from utils.engine import train_one_epoch, validate
+from utils.cli import add_log_args, build_parser, source_kind
+from utils.data import build_data
+from utils.engine import train_one_epoch, training_epochs, validate
 from utils.errors import exit_on_usage_error
 from utils.logs import Progress, RunLog, tracker_kwargs
 from utils.profiling import NoPhases, NvtxWindow
-from utils.setup import build_training_state, make_accelerator, parse_args, resume_checkpoint, warn
+from utils.setup import build_or_resume, make_accelerator, parse_args, warn
 
 
 def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
@@ -47,15 +47,8 @@ def main(argv=None):
 
     data = build_data(args, accelerator, train=not args.evaluate)  # -e reads the val split only
     num_classes = args.num_classes or data.num_classes
-    checkpoint = resume_checkpoint(args, accelerator)
-    model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
-
-    best_prec1 = 0.0
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        precision.load_state_dict(checkpoint.get("loss_scale"))
-        args.start_epoch = checkpoint["epoch"]
-        best_prec1 = checkpoint.get("best_prec1", 0.0)
+    model, optimizer, precision, best_prec1 = build_or_resume(args, accelerator, recipe, num_classes)
+    if args.resume:
         log(f"=> resumed {args.resume!r} at epoch {args.start_epoch} (best Prec@1 {best_prec1:.3f})")
 
     global_batch = args.batch_size * accelerator.num_processes
@@ -69,15 +62,15 @@ def main(argv=None):
         validate(model, data, precision, accelerator, args, criterion, log, progress)
         return
 
-    run_log = RunLog(args, accelerator)  # args.yaml now; summary.csv, curves.png, trackers per epoch
+    resolved = {"opt_level": recipe.opt_level, "mixed_precision": recipe.dtype_name,  # what ran, for args.yaml
+                "num_classes": num_classes, "data": args.data or "digits"}
+    run_log = RunLog(args, accelerator, resolved)  # args.yaml, summary.csv, curves.png, trackers per epoch
 
     phases = NvtxWindow(args.prof) if args.prof >= 0 else NoPhases()
     if args.prof >= 0 and not torch.cuda.is_available():
         warn(accelerator, "--prof: no CUDA, so no NVTX ranges or cudaProfiler calls; the run still "
                           f"stops after step {args.prof + 10}")
-    for epoch in range(args.start_epoch, args.epochs):
-        data.set_epoch(epoch)
-        torch.manual_seed(args.seed * 1000 + epoch * 7 + accelerator.process_index)  # dropout etc.
+    for epoch in training_epochs(args, data, accelerator):
         trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
                                   phases, log, progress)
         if args.prof >= 0:

@@ -1,4 +1,6 @@
+"""What every test file shares: thread and time limits, the subprocess runner, tiny-data builders."""
 import os
+import re
 import subprocess
 import sys
 
@@ -7,10 +9,30 @@ import pytest
 from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `pytest` (not `python -m pytest`) does not put the working directory there
+    sys.path.insert(0, ROOT)
+
+# One thread per process unless the caller asks for more: on a busy 2-core machine a process
+# whose OpenMP threads spin waiting for each other runs up to 10x slower, and the tiny models
+# the tests train gain nothing from a second thread. A 2-process gloo run gets 1 per process.
+THREADS = os.environ.get("OMP_NUM_THREADS", "1")
+# Seconds any test subprocess may run. The longest (the 12-epoch digits demo) took ~100 s on a
+# busy 2-core machine; 18x that lets a far busier one finish, and a hung process still fails the
+# test rather than hanging CI.
+TIMEOUT = 1800
+
+# The smallest honest training run on the digits: resnet18 on 32 px crops, no loader processes,
+# a log line every step. QUICK adds a batch and 4 steps an epoch.
+TINY = ["-a", "resnet18", "--image-size", "32", "-j", "0", "-p", "1"]
+QUICK = [*TINY, "-b", "16", "--steps-per-epoch", "4"]
+# The validation summary line every script prints (Apex's format): top-1, top-5.
+FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+    import torch
+    torch.set_num_threads(int(THREADS))  # the in-process tests, for the reason above
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,13 +68,31 @@ def make_image_folder(root, classes=3, per_class=6, size=(40, 30), splits=("trai
     return str(root)
 
 
-def run_script(script, *args, env=None, cwd=None, timeout=600):
-    """Run one of the project's scripts in a fresh process; returns CompletedProcess."""
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A read-only 3-class ImageFolder (6 train + 6 val JPEGs a class) shared by the whole session."""
+    return make_image_folder(tmp_path_factory.mktemp("tiny_folder"))
+
+
+def subprocess_env(env=None, threads=None):
+    """os.environ plus `env`, with the thread limits set wherever neither of them set one."""
     full_env = dict(os.environ)
     full_env.update(env or {})
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        full_env.setdefault(name, str(threads or THREADS))
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
-                          capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=timeout)
+    return full_env
+
+
+def run_command(command, env=None, cwd=None, timeout=TIMEOUT):
+    """Any command in a fresh process with the test limits; returns CompletedProcess (text)."""
+    return subprocess.run([*map(str, command)], capture_output=True, text=True, env=subprocess_env(env),
+                          cwd=cwd or ROOT, timeout=timeout)
+
+
+def run_script(script, *args, env=None, cwd=None, timeout=TIMEOUT):
+    """Run one of the project's scripts in a fresh process; returns CompletedProcess."""
+    return run_command([sys.executable, os.path.join(ROOT, script), *args], env=env, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

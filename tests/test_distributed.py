@@ -22,32 +22,28 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run by torchrun as a script
-    sys.path.insert(0, ROOT)
+# As a torchrun script too: tests/ is then sys.path[0], and conftest puts ROOT on sys.path.
+from conftest import FINAL, ROOT, TIMEOUT, TINY, run_command, subprocess_env
 
 BIN = os.path.dirname(sys.executable)
-QUICK = ["-a", "resnet18", "--image-size", "32", "-j", "0", "-p", "1"]
 EPOCH_LINE = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\]\tTime ([\d.]+) \([\d.]+\)\tSpeed ([\d.]+) ")
-FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 EVAL_TAIL = re.compile(r" \* Loss ([\d.]+) Images (\d+) Speed")
 DIGITS_VAL = 359  # 1,797 // 5: prime, so it divides by no process count x batch
 
 
-def torchrun(script, *args, nproc=2, timeout=300):
+# Every process on the CPU (also on a GPU machine), with conftest's thread limit per process.
+CPU = {"ACCELERATE_USE_CPU": "1"}
+
+
+def torchrun(script, *args, nproc=2):
     """script under `torchrun --standalone` (a free rendezvous port) on gloo CPU processes."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    command = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", str(nproc),
-               os.path.join(ROOT, script), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    return run_command([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", nproc,
+                        os.path.join(ROOT, script), *args], env=CPU)
 
 
-def python(script, *args, timeout=300):
-    # One process on the CPU like the torchrun ones (also on a GPU machine), on one thread: two
-    # spinning OpenMP threads on a busy 2-core machine run 10x slower.
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+def python(script, *args):
+    """One process on the CPU, like one of the torchrun ones."""
+    return run_command([sys.executable, os.path.join(ROOT, script), *args], env=CPU)
 
 
 def ok(result):
@@ -66,7 +62,7 @@ def finals(stdout):
 def two_proc_run(cache_dir, tmp_path_factory):
     """Epoch 0 on 2 processes, batch 8 each (global 16); --sync_bn must explain itself on CPU."""
     out = tmp_path_factory.mktemp("ddp2")
-    run = ok(torchrun("train.py", *QUICK, "-b", "8", "--steps-per-epoch", "3", "--epochs", "1",
+    run = ok(torchrun("train.py", *TINY, "-b", "8", "--steps-per-epoch", "3", "--epochs", "1",
                       "--sync_bn", "--output-dir", out))
     return out, run
 
@@ -76,7 +72,7 @@ def resumed_on_one(two_proc_run, tmp_path_factory):
     """The 2-process checkpoint resumed on 1 process (batch 16: the same global batch)."""
     saved, _ = two_proc_run
     out = tmp_path_factory.mktemp("resumed1")
-    run = ok(python("train.py", *QUICK, "-b", "16", "--steps-per-epoch", "3", "--epochs", "2",
+    run = ok(python("train.py", *TINY, "-b", "16", "--steps-per-epoch", "3", "--epochs", "2",
                     "--resume", saved / "checkpoint.pth.tar", "--output-dir", out))
     return out, run
 
@@ -181,11 +177,11 @@ def test_ranks_hold_identical_weights_and_disjoint_samples(cache_dir, tmp_path):
     """O2 bf16 on 2 processes: after training steps every rank holds the same half weights,
     fp32 masters and (after validate) BatchNorm statistics; ranks draw disjoint samples that
     make up exactly the batches a 1-process run with the global batch would draw."""
-    from utils.data import ShardedEpochSampler
+    from utils.batches import ShardedEpochSampler
 
     out = tmp_path / "probe.json"
-    ok(torchrun(__file__, "probe", out, *QUICK, "-b", "8", "--steps-per-epoch", "3", "--epochs", "1",
-                "--opt-level", "O2", "--mixed-precision", "bf16"))
+    ok(torchrun(__file__, "probe", out, *TINY, "-b", "8", "--steps-per-epoch", "3", "--epochs", "1",
+                "--warmup-epochs", "5", "--opt-level", "O2", "--mixed-precision", "bf16"))
     probe = json.loads(out.read_text())
     assert probe["world"] == 2
     for key in ("params", "masters", "buffers_after_val"):
@@ -208,7 +204,7 @@ def test_ranks_hold_identical_weights_and_disjoint_samples(cache_dir, tmp_path):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_sampler_never_repeats_a_sample_in_an_epoch(world):
-    from utils.data import ShardedEpochSampler
+    from utils.batches import ShardedEpochSampler
 
     size, batch = 1000, 16
     shards = []
@@ -284,11 +280,11 @@ def test_2gpu_config_starts_two_processes(tmp_path):
     handed and touches no GPU, so this runs on a CPU machine too."""
     script = tmp_path / "show_env.py"
     script.write_text(SHOW_ENV)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = subprocess_env()
     env.pop("ACCELERATE_USE_CPU", None)
     result = ok(subprocess.run([os.path.join(BIN, "accelerate"), "launch", "--config_file",
                                 os.path.join(CONFIGS, "2gpu.yaml"), str(script), "--opt-level", "O1"],
-                               capture_output=True, text=True, env=env, timeout=240))
+                               capture_output=True, text=True, env=env, timeout=TIMEOUT))
     assert sorted(re.findall(r"RANK (\d) WORLD (\d) ARGS (.*)", result.stdout)) == \
         [("0", "2", "--opt-level O1"), ("1", "2", "--opt-level O1")]
 

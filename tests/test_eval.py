@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_image_folder, run_script
 from utils.checkpoint import save_checkpoint
-from utils.errors import UsageError
+from utils.errors import UsageError, exit_on_usage_error
 
 FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 EVAL_TAIL = re.compile(r" \* Loss ([\d.]+) Images (\d+) Speed ([\d.]+) images/s")
@@ -132,7 +132,7 @@ def test_checkpoint_and_data_mistakes_are_usage_errors(trained, evaluate, tmp_pa
 
     refused("--resume", checkpoint, "-a", "resnet34", match="holds a resnet18 model, not -a resnet34")
     refused("--resume", checkpoint, "--num-classes", "7", match="has 10 classes, not --num-classes 7")
-    refused("--resume", checkpoint, "--lr", "0.5", "--epochs", "3", match="--epochs, --lr: training flag")
+    refused("--resume", checkpoint, "--lr", "0.5", "--epochs=3", match="--epochs, --lr: not eval.py flag")
 
     three = make_image_folder(tmp_path / "three", classes=3, per_class=2, splits=("val",))
     refused("--resume", checkpoint, three, match="other classes than checkpoint")
@@ -146,24 +146,50 @@ def test_checkpoint_and_data_mistakes_are_usage_errors(trained, evaluate, tmp_pa
             match="was trained on DATA .*moved-away.*which does not exist here; give DATA")
 
 
-def test_errors_exit_2_with_one_line(trained, tmp_path):
+def one_error_line(code, stderr, needle):
+    """Exit code 2 and one `prog: error: ...` line (warnings aside) naming needle; no traceback."""
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith("warning:")]
+    assert code == 2 and len(lines) == 1, (code, stderr[-2000:])
+    assert ": error: " in lines[0] and needle in lines[0] and "Traceback" not in stderr, lines[0]
+
+
+def test_errors_exit_2_with_one_line(trained, evaluate, capsys, tmp_path):
+    """In this process, through the exit path `python eval.py` takes: argparse's errors and ours."""
     out, _ = trained
-    three = make_image_folder(tmp_path / "three", classes=3, per_class=2, splits=("val",))
+    checkpoint = out / "checkpoint.pth.tar"
     for argv, needle in [(["--resume", tmp_path / "nothing.pth.tar"], "no checkpoint"),
-                         (["--resume", out / "checkpoint.pth.tar", three, "-j", "0"], "other classes"),
-                         (["--resume", out / "checkpoint.pth.tar", "--results-file", "r.txt"], ".json or .csv")]:
-        result = run_script("eval.py", *argv, env=CPU)
-        lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning:")]
-        assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-        assert needle in lines[0] and "Traceback" not in result.stderr, lines[0]
+                         (["--resume", checkpoint, "--results-file", "r.txt"], ".json or .csv"),
+                         (["--resume", checkpoint, "--opt-level", "O4"], "unknown opt level"),
+                         (["--resume", checkpoint, "--lr", "0.5"], "--lr: not eval.py flag"),
+                         (["--resume", checkpoint, "a", "b"], "unrecognized arguments: b")]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            exit_on_usage_error(lambda: evaluate(*argv))
+        one_error_line(exited.value.code, capsys.readouterr().err, needle)
 
 
-def test_help_lists_eval_flags_with_defaults_and_hides_training_ones():
-    result = run_script("eval.py", "--help")
-    assert result.returncode == 0
-    text = " ".join(result.stdout.split())
-    for flag in ("--resume", "--results-file", "--opt-level", "--channels-last", "--image-size", "-b N"):
+def test_error_end_to_end_exits_2_without_traceback(trained, tmp_path):
+    """The real script in its own process, refused after the data was read."""
+    three = make_image_folder(tmp_path / "three", classes=3, per_class=2, splits=("val",))
+    result = run_script("eval.py", "--resume", trained[0] / "checkpoint.pth.tar", three, "-j", "0", env=CPU)
+    one_error_line(result.returncode, result.stderr, "other classes")
+    assert result.stderr.startswith("eval.py: error: ") or "\neval.py: error: " in result.stderr
+
+
+def test_flags_typed_are_found_in_one_parse():
+    """What the user typed, also when it equals the default; DATA only when given."""
+    script = importlib.import_module("eval")
+    typed, resume = script.typed_flags(["--resume", "c.pth.tar", "-p", "10", "--channels-last", "-b=16"])
+    assert (typed, resume) == ({"resume", "print_freq", "channels_last", "batch_size"}, "c.pth.tar")
+    assert script.typed_flags(["somewhere", "--deterministic"])[0] == {"data", "deterministic"}
+
+
+def test_help_lists_eval_flags_with_defaults_and_no_training_ones():
+    text = " ".join(importlib.import_module("eval").build_eval_parser().format_help().split())
+    for flag in ("--resume", "--results-file", "--opt-level", "--channels-last", "--image-size", "-b N",
+                 "--val-split", "--local_rank"):
         assert flag in text, flag
-    for flag in ("--lr", "--epochs", "--momentum", "--sync_bn", "--prof", "--min-scale"):
+    for flag in ("--lr", "--epochs", "--momentum", "--sync_bn", "--prof", "--min-scale", "--loss-scale",
+                 "--train-split", "--pretrained", "--output-dir", "--seed"):
         assert f" {flag} " not in text, flag
-    assert "the checkpoint's value unless given" in text
+    assert "the checkpoint's value unless given" in text and "(default: none)" in text

@@ -4,9 +4,9 @@ import re
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import FINAL, QUICK, run_script
 from test_precision import TinyNet, train_step
-from test_train import FINAL, QUICK, losses
+from test_train import losses
 from utils.precision import Precision, build_sgd, resolve_recipe
 
 pytestmark = pytest.mark.gpu

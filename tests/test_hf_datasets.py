@@ -4,7 +4,6 @@ import contextlib
 import io
 import os
 import re
-import subprocess
 import sys
 import types
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from conftest import ROOT, make_image_folder, run_script
+from conftest import make_image_folder, run_command, run_script
 from utils.cli import build_parser
 from utils.data import build_data
 from utils.errors import UsageError
@@ -243,7 +242,7 @@ def test_without_the_datasets_package_other_sources_still_run(tmp_path):
             f"    train.main(['hf:{folder}', '-j', '0'])\n"
             "except UsageError as err:\n"
             "    print('usage error:', err)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = run_command([sys.executable, "-c", code])
     assert result.returncode == 0, result.stderr[-3000:]
     assert FINAL_LINE.search(result.stdout)
     assert "usage error:" in result.stdout and "pip install datasets" in result.stdout

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import ROOT, run_script
+from conftest import ROOT, TIMEOUT, run_script, subprocess_env
 from utils.cli import add_log_args, build_parser
 from utils.errors import UsageError
 from utils.logs import SUMMARY_COLUMNS, Progress, RunLog, tracker_kwargs
@@ -26,7 +26,8 @@ FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 EPOCH_END = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/\2\].*\tLoss [\d.]+ \(([\d.]+)\)")
 APEX_LINE = re.compile(r"Epoch: \[\d+\]\[\d+/\d+\]\tTime [\d.]+ \([\d.]+\)\tSpeed [\d.]+ \([\d.]+\)\t"
                        r"Loss [\d.]+ \([\d.]+\)\tPrec@1 [\d.]+ \([\d.]+\)\tPrec@5 [\d.]+ \([\d.]+\)")
-DEMO = ["--steps-per-epoch", "2", "-b", "16", "-j", "0"]
+# --warmup-epochs 5: the LR column then shows the warmup (runs this short get none by default)
+DEMO = ["--steps-per-epoch", "2", "-b", "16", "-j", "0", "--warmup-epochs", "5"]
 
 
 def read_summary(path):
@@ -43,10 +44,13 @@ def test_run_directory_after_a_short_demo_and_a_resume(cache_dir, tmp_path):
     assert "\r" not in result.stdout + result.stderr and "img/s" not in result.stderr
 
     settings = yaml.safe_load((out / "args.yaml").read_text())
-    assert settings["arch"] == "resnet18" and settings["data"] is None and settings["epochs"] == 2
+    assert settings["arch"] == "resnet18" and settings["epochs"] == 2
     assert (settings["batch_size"], settings["image_size"], settings["crop_pct"]) == (16, 32, 0.875)
     assert settings["output_dir"] == str(out) and settings["log_with"] == "tensorboard"
-    assert settings["mean"] == [0.485, 0.456, 0.406] and settings["opt_level"] is None
+    assert settings["mean"] == [0.485, 0.456, 0.406]
+    # What ran, not the flags' None: the recipe, the data's classes, the built-in demo data.
+    assert (settings["opt_level"], settings["mixed_precision"]) == ("O0", "no")
+    assert (settings["num_classes"], settings["data"]) == (10, "digits")
 
     columns, rows = read_summary(out / "summary.csv")
     assert tuple(columns) == SUMMARY_COLUMNS
@@ -85,7 +89,7 @@ def run_on_terminal(argv, stdout=None):
     returns (exit code, what the terminal showed)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty has 0 columns
-    child = subprocess.Popen(argv, stdout=stdout or slave, stderr=slave, cwd=ROOT)
+    child = subprocess.Popen(argv, stdout=stdout or slave, stderr=slave, cwd=ROOT, env=subprocess_env())
     os.close(slave)
     chunks = []
     while True:
@@ -97,7 +101,7 @@ def run_on_terminal(argv, stdout=None):
             break
         chunks.append(chunk)
     os.close(master)
-    return child.wait(timeout=300), b"".join(chunks).decode(errors="replace")
+    return child.wait(timeout=TIMEOUT), b"".join(chunks).decode(errors="replace")
 
 
 def test_a_bar_on_the_terminal_and_clean_lines_in_the_log_file(cache_dir, tmp_path):

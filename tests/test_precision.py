@@ -1,10 +1,13 @@
 """The opt-level shim: recipe resolution, dtypes after setup, masters, loss scaling, skips."""
+import os
+
 import pytest
 import torch
 from torch import nn
 
 from utils.errors import UsageError
-from utils.precision import Precision, build_sgd, resolve_recipe
+from utils.precision import (OPT_LEVELS, Precision, build_sgd, cpu_fp16_note, cpu_has_native_bf16,
+                             resolve_recipe)
 
 HALVES = [("bf16", torch.bfloat16), ("fp16", torch.float16)]
 
@@ -64,6 +67,62 @@ def test_defaults_follow_the_apex_table():
     for (level, mp), (dtype, keep_bn, scale) in expect.items():
         recipe, _ = resolve_recipe(level, None, None, mp, "the Accelerate config")
         assert (recipe.dtype_name, recipe.keep_bn_fp32, recipe.loss_scale) == (dtype, keep_bn, scale), level
+
+
+def readme_opt_level_rows():
+    """The README's opt-level table as {level: [weights, autocast, optimizer, BN, loss scale]}."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as handle:
+        lines = handle.read().split("## Precision: opt levels", 1)[1].split("\n## ", 1)[0].splitlines()
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| O")]
+    return {row[0]: row[1:] for row in cells}
+
+
+def says(scale):
+    return {None: "none", "dynamic": "dynamic"}.get(scale, f"static {scale}")
+
+
+def test_opt_levels_table_is_the_readme_table():
+    rows = readme_opt_level_rows()
+    assert sorted(rows) == sorted(OPT_LEVELS)
+    for name, level in OPT_LEVELS.items():
+        weights, autocast, optimizer, batchnorm, loss_scale = rows[name]
+        assert weights.startswith("fp32") == (level.weights == "fp32"), name
+        assert autocast.startswith("on") == level.autocast, name
+        assert ("fp32 masters" in optimizer) == level.master_weights, name
+        if level.half_weights:
+            assert batchnorm.startswith("fp32") == level.keep_bn_fp32, name
+        fp16, bf16 = says(level.loss_scale_fp16), says(level.loss_scale_bf16)
+        assert loss_scale == (fp16 if fp16 == bf16 else f"{fp16} (fp16), {bf16} (bf16)"), name
+
+
+def test_every_level_describes_itself():
+    lines = {level: resolve_recipe(level, None, None, "fp16", None)[0].describe() for level in OPT_LEVELS}
+    assert lines == {
+        "O0": "precision: O0 fp32 | weights fp32, BN fp32, optimizer fp32 | loss scale none",
+        "O1": "precision: O1 fp16 | autocast fp16, weights fp32, BN fp32, optimizer fp32 "
+              "| loss scale dynamic (65536)",
+        "O2": "precision: O2 fp16 | weights half, BN fp32, master fp32 | loss scale dynamic (65536)",
+        "O3": "precision: O3 fp16 | weights half, BN half, no master (optimizer on half weights) "
+              "| loss scale static 1",
+    }
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    with_amx, plain = tmp_path / "amx", tmp_path / "plain"
+    with_amx.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n")
+    assert cpu_has_native_bf16(str(with_amx)) is True
+    assert cpu_has_native_bf16(str(plain)) is False
+    assert cpu_has_native_bf16(str(tmp_path / "absent")) is None
+
+
+def test_cpu_fp16_note_only_for_fp16_off_cuda():
+    fp16 = resolve_recipe("O1", None, None, "fp16", None)[0]
+    bf16 = resolve_recipe("O1", None, None, "bf16", None)[0]
+    note = cpu_fp16_note(fp16, "cpu")
+    assert note.startswith("fp16 on a machine without CUDA") and "bf16" in note
+    assert cpu_fp16_note(fp16, "cuda") is None and cpu_fp16_note(bf16, "cpu") is None
 
 
 def test_mixed_precision_alone_picks_the_level():

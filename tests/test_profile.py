@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_script
-from utils.errors import UsageError
+from utils.errors import exit_on_usage_error
 from utils.profiling import DATA_RANGE, WAIT_RANGE, NvtxWindow, PhaseProfiler, WallClock
 
 TINY = ["-a", "resnet18", "--image-size", "16"]
@@ -224,6 +224,11 @@ def test_help_lists_the_profile_flags_with_defaults():
     assert "--benchmark " in text
 
 
+def test_prof_is_on_by_default():
+    args = load_profile_script().build_profile_parser().parse_args([])
+    assert (args.prof, args.prof_steps) == (100, 10)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["-e"], "-e/--evaluate"),
     (["--benchmark-csv", "x.csv"], "only applies with --benchmark"),
@@ -231,25 +236,28 @@ def test_help_lists_the_profile_flags_with_defaults():
     (["--benchmark", "--channels-last"], "--benchmark-channels-last"),
     (["--benchmark", "--trace", "t.json"], "cannot be combined"),
     (["--trace", "/no/such/folder/t.json"], "does not exist"),
+    (["--prof", "-1"], "argument --prof: expected an integer >= 0"),
+    (["--prof-steps", "0"], "argument --prof-steps: expected a positive integer"),
+    (["--benchmark-levels", "O4"], "unknown opt level 'O4'"),
+    (["synthetic", *TINY, "-b", "2", "--epochs", "1", "--prof", "100", "--steps-per-epoch", "0"],
+     "needs 110 training steps"),
 ])
-def test_bad_flags_are_usage_errors(cache_dir, argv, message):
-    with pytest.raises(UsageError, match=re.escape(message)):
-        load_profile_script().main(argv)
+def test_usage_errors_exit_2_with_one_line(cache_dir, capsys, argv, message):
+    """main(argv) in this process, through the exit path `python profile.py` takes."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        exit_on_usage_error(lambda: load_profile_script().main(argv))
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning:")]
+    assert exited.value.code == 2 and len(lines) == 1, lines
+    assert ": error: " in lines[0] and message in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("argv", [["--prof", "-1"], ["--prof-steps", "0"], ["--benchmark-levels", "O4"]])
-def test_bad_values_exit_2(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        load_profile_script().main(argv)
-    assert exit_info.value.code == 2
-    assert "error:" in capsys.readouterr().err
-
-
-def test_too_few_steps_for_the_window_is_a_usage_error(cache_dir):
-    result = run_script("profile.py", "synthetic", *TINY, "-b", "2", "--epochs", "1", "--prof", "100",
-                        "--prof-steps", "10", "--steps-per-epoch", "0", timeout=300)
-    assert result.returncode == 2
-    assert "needs 110 training steps" in result.stderr and "Traceback" not in result.stderr
+def test_usage_error_end_to_end_exits_2_without_traceback(cache_dir):
+    result = run_script("profile.py", "-e", timeout=300)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("profile.py: error: ") and "-e/--evaluate does not apply" in last, last
+    assert "Traceback" not in result.stderr
 
 
 def test_the_stdlib_profile_module_still_imports_from_here():

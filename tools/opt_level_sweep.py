@@ -1,19 +1,26 @@
+#!/usr/bin/env python3
 """Run train.py once per precision config and tabulate img/s and the loss trend.
 
-    python tools/opt_level_sweep.py DATA --steps 200 -- -a resnet50 -b 256 -j 16
+    tools/opt_level_sweep.py DATA --steps 200 --out-dir sweep -- -a resnet50 -b 256 -j 16
 
 Every config trains --steps steps (one epoch, --print-freq 20) and validates; the table gives the
 mean training speed over the second half of the log intervals (steady state), the first and last interval
-loss, the skipped steps and the final loss scale. Writes a Markdown table and a CSV.
+loss, the skipped steps and the final loss scale. Into --out-dir (default ./opt_level_sweep) go
+each config's run directory and the table, as opt_level_sweep.csv and opt_level_sweep.md.
 """
 import argparse
 import csv
+import io
 import os
 import re
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
+from utils.files import atomic_write  # noqa: E402
+
+KEYS = ["config", "img/s", "first loss", "last loss", "skipped", "scale", "val top1", "recipe"]
 CONFIGS = {
     "O0": ["--opt-level", "O0"],
     "O1": ["--opt-level", "O1"],
@@ -27,9 +34,9 @@ LINE = re.compile(r"Epoch: \[\d+\]\[(\d+)/\d+\]\tTime ([\d.]+) .*?Speed ([\d.]+)
 SCALE = re.compile(r"Skipped (\d+)\tScale ([\d.e+]+)")
 
 
-def run(name, flags, data, steps, extra):
+def run(name, flags, data, steps, extra, out_dir):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), data, "--epochs", "1", "--steps-per-epoch",
-           str(steps), "--print-freq", "20", "--output-dir", os.path.join("/tmp/sweep", name.replace(" ", "_")),
+           str(steps), "--print-freq", "20", "--output-dir", os.path.join(out_dir, name.replace(" ", "_")),
            *flags, *extra]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -48,28 +55,51 @@ def run(name, flags, data, steps, extra):
             "recipe": precision[len("precision: "):]}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--csv", default="opt_level_sweep.csv")
-    args, extra = parser.parse_known_args()  # the rest goes to train.py
-    extra = [a for a in extra if a != "--"]
-    rows = []
-    for name, flags in CONFIGS.items():
-        rows.append(run(name, flags, args.data, args.steps, extra))
-        print(rows[-1], flush=True)
-    keys = ["config", "img/s", "first loss", "last loss", "skipped", "scale", "val top1", "recipe", "error"]
-    with open(args.csv, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    print("| " + " | ".join(keys[:-1]) + " |\n|" + "---|" * (len(keys) - 1))
+def cell(value):
+    """A Markdown table cell: a `|` inside (the recipe line holds some) would split the cell."""
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(rows):
+    lines = ["| " + " | ".join(KEYS) + " |", "|" + "---|" * len(KEYS)]
     for row in rows:
         if "error" in row:
-            print(f"| {row['config']} | failed: {row['error']} |")
+            values = [row["config"], f"failed: {row['error']}"] + [""] * (len(KEYS) - 2)
         else:
-            print("| " + " | ".join(str(row[k]) for k in keys[:-1]) + " |")
+            values = [row[key] for key in KEYS]
+        lines.append("| " + " | ".join(cell(value) for value in values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path, rows):
+    def write(handle):  # atomic_write hands over a binary handle; csv wants text
+        text = io.TextIOWrapper(handle, encoding="utf-8", newline="")
+        writer = csv.DictWriter(text, fieldnames=KEYS + ["error"])
+        writer.writeheader()
+        writer.writerows(rows)
+        text.flush()
+        text.detach()  # leave the handle open for atomic_write to close
+    atomic_write(path, write)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("data")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out-dir", default="opt_level_sweep",
+                        help="where each config's run and the tables go (default: ./opt_level_sweep)")
+    args, extra = parser.parse_known_args()  # the rest goes to train.py
+    extra = [a for a in extra if a != "--"]
+    os.makedirs(args.out_dir, exist_ok=True)
+    rows = []
+    for name, flags in CONFIGS.items():
+        rows.append(run(name, flags, args.data, args.steps, extra, args.out_dir))
+        print(rows[-1], flush=True)
+        # Rewritten after every config, so a sweep cut short keeps what it measured.
+        write_csv(os.path.join(args.out_dir, "opt_level_sweep.csv"), rows)
+    table = markdown_table(rows)
+    atomic_write(os.path.join(args.out_dir, "opt_level_sweep.md"), table)
+    print(table, end="")
 
 
 if __name__ == "__main__":

@@ -1,43 +1,27 @@
 """Checkpoints: atomic writes, fp32 weights, and loads that explain what is wrong with a file."""
 import os
-import shutil
-import tempfile
 
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, first_line
+from .files import atomic_write, copy_atomic
 
 CHECKPOINT = "checkpoint.pth.tar"
 BEST = "model_best.pth.tar"
 REQUIRED_KEYS = ("epoch", "arch", "state_dict")
 
 
-def _atomic_write(write, path):
-    """Write to a temp file in the same folder, fsync, then rename over path: all or nothing."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pth.tar", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save_checkpoint(state, is_best, output_dir):
-    """checkpoint.pth.tar every call; model_best.pth.tar as well when is_best. Returns the paths."""
+    """checkpoint.pth.tar every call; model_best.pth.tar as well when is_best. Returns the paths.
+
+    fsync before each rename: after a power cut a checkpoint is the old one or the new one, never
+    a renamed but empty file.
+    """
     path = os.path.join(output_dir, CHECKPOINT)
-    _atomic_write(lambda handle: torch.save(state, handle), path)
+    atomic_write(path, lambda handle: torch.save(state, handle), fsync=True)
     written = [path]
     if is_best:
-        best = os.path.join(output_dir, BEST)
-        _atomic_write(lambda handle: shutil.copyfileobj(open(path, "rb"), handle), best)
-        written.append(best)
+        written.append(copy_atomic(path, os.path.join(output_dir, BEST), fsync=True))
     return written
 
 
@@ -49,9 +33,8 @@ def load_checkpoint(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, pickle of other objects, not a torch file at all
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UsageError(f"cannot read checkpoint {path!r}: it is truncated or not a checkpoint "
-                         f"written by train.py ({first[:200]})") from None
+                         f"written by train.py ({first_line(err, 200)})") from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         raise UsageError(f"{path!r} is not a train.py checkpoint (it lacks the keys "
                          f"{', '.join(REQUIRED_KEYS)})")

@@ -14,11 +14,11 @@ from .profiling import NoPhases
 
 
 def learning_rate(args, epoch, step, steps_per_epoch, global_batch):
-    """Apex schedule: lr x global_batch/256, linear warmup, x0.1 at 30/60/80 (or cosine)."""
+    """Apex schedule: lr x global_batch/256, linear warmup, x0.1 at each milestone in --lr-steps
+    the epoch has reached (30, 60, 80 for ImageNet), or cosine to 0."""
     lr = args.lr * global_batch / 256.0
     if args.lr_schedule == "step":
-        factor = epoch // 30 + (1 if epoch >= 80 else 0)
-        lr *= 0.1 ** factor
+        lr *= 0.1 ** sum(1 for milestone in args.lr_steps if epoch >= milestone)
     else:
         progress = (epoch * steps_per_epoch + step) / float(args.epochs * steps_per_epoch)
         lr *= 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -85,6 +85,15 @@ def _scale_fields(precision):
         return "", 0, None
     skipped, scale = int(skipped), float(scale)
     return f"\tSkipped {skipped}\tScale {scale:g}", skipped, scale
+
+
+def training_epochs(args, data, accelerator):
+    """The epochs left to run (from args.start_epoch), each with the sampler's epoch and the seed
+    of dropout etc. set from the epoch alone: what lets a resumed run repeat an uninterrupted one."""
+    for epoch in range(args.start_epoch, args.epochs):
+        data.set_epoch(epoch)
+        torch.manual_seed(args.seed * 1000 + epoch * 7 + accelerator.process_index)
+        yield epoch
 
 
 def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,

@@ -1,7 +1,7 @@
 """Hugging Face `datasets` as DATA: hub datasets from the local cache, save_to_disk directories,
 and directories that datasets.load_dataset reads (an imagefolder, parquet files, ...).
 
-How DATA picks this source (utils.data.source_kind):
+How DATA picks this source (utils.cli.source_kind):
   hf:NAME  a hub dataset, e.g. hf:ILSVRC/imagenet-1k or hf:cifar10, read from the local datasets
            cache (HF_HOME, HF_DATASETS_CACHE). Never downloaded: offline is the normal case on
            clusters, and a name that is not cached is a usage error that says how to cache it.
@@ -12,7 +12,7 @@ How DATA picks this source (utils.data.source_kind):
 
 Rows become the same (PIL image, label) samples as the ImageFolder path: decoded and augmented in
 the DataLoader workers, then the same seeded sharding, uint8 collate and device prefetch
-(utils.data.sharded_data), so DDP sharding and exact validation counts come along unchanged.
+(utils.batches.sharded_data), so DDP sharding and exact validation counts come along unchanged.
 `datasets` is imported only when such a source is used: machines without it run everything else.
 """
 import contextlib
@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from .data import sharded_data, train_transform, val_transform
-from .errors import UsageError
+from .batches import sharded_data, train_transform, val_transform
+from .errors import UsageError, first_line
 
 VAL_SPLIT_NAMES = ("validation", "val", "valid")  # "test" is left out: hub test splits are often unlabelled
 LABEL_COLUMN_NAMES = ("label", "labels", "target")
@@ -72,11 +72,6 @@ def offline(datasets):
         datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
-def _first_line(err):
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:300]
-
-
 def _load_hub_name(datasets, name):
     try:
         with offline(datasets):
@@ -86,7 +81,7 @@ def _load_hub_name(datasets, name):
             f"hub dataset {name!r} is not in the local datasets cache ({datasets.config.HF_DATASETS_CACHE}); "
             "this script never downloads. Cache it once where there is network, with the same HF_HOME: "
             f"python -c \"import datasets; datasets.load_dataset('{name}')\", then copy HF_HOME here; "
-            f"or pass a save_to_disk directory ({_first_line(err)})") from None
+            f"or pass a save_to_disk directory ({first_line(err)})") from None
 
 
 def load_splits(data):
@@ -113,7 +108,7 @@ def load_splits(data):
     except UsageError:
         raise
     except Exception as err:  # empty folder, unreadable arrow files, a dataset needing a config name, ...
-        raise UsageError(f"cannot load {data!r} with datasets: {_first_line(err)}") from None
+        raise UsageError(f"cannot load {data!r} with datasets: {first_line(err)}") from None
     if isinstance(loaded, datasets.Dataset):  # a single saved split
         return {str(loaded.split) if loaded.split else "data": loaded}
     return dict(loaded)
@@ -214,13 +209,13 @@ class HFImages(torch.utils.data.Dataset):
                 raise ValueError("the row has no image")
             image = image.convert("RGB")  # grey, CMYK or RGBA images, as ImageFolder's loader does
         except (OSError, ValueError, SyntaxError) as err:
-            raise UsageError(f"cannot read image {index} of {self.where} ({_first_line(err)}); fix or "
+            raise UsageError(f"cannot read image {index} of {self.where} ({first_line(err)}); fix or "
                              "drop that row") from None
         return self.transform(image), row[self.label_column]
 
 
 def build_hf_data(args, accelerator, mean, std, train=True):
-    """utils.data.Data over a Hugging Face datasets source (see the module docstring)."""
+    """utils.batches.Data over a Hugging Face datasets source (see the module docstring)."""
     with accelerator.main_process_first():  # load_dataset writes its cache once; the others read it
         splits = load_splits(args.data)
     # Only evaluating a dataset that has one split (e.g. a saved val set): that split is the val split.

@@ -21,6 +21,7 @@ import os
 import sys
 
 from .errors import UsageError
+from .files import atomic_write
 
 PROJECT = "imagenet-amp"  # the TensorBoard run folder and the W&B project
 SUMMARY_COLUMNS = ("epoch", "train_loss", "train_top1", "val_loss", "top1", "top5", "lr", "img_per_s",
@@ -47,14 +48,6 @@ def tracker_kwargs(args):
     return {"log_with": list(names), "project_config": config}
 
 
-def _write_atomic(path, data):
-    """Write bytes to a temp file beside path, then rename it over path."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
-
-
 def _plain(value):
     """A value YAML and the trackers accept: numbers, text, booleans, None and lists of them."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -64,11 +57,11 @@ def _plain(value):
     return str(value)
 
 
-def write_args_yaml(args, path):
+def write_args_yaml(settings, path):
     import yaml
 
-    settings = {name: _plain(value) for name, value in vars(args).items()}
-    _write_atomic(path, yaml.safe_dump(settings, sort_keys=False).encode())
+    settings = {name: _plain(value) for name, value in settings.items()}
+    atomic_write(path, yaml.safe_dump(settings, sort_keys=False))
 
 
 def read_summary(path):
@@ -86,7 +79,7 @@ def write_summary(rows, path):
     writer.writeheader()
     for row in rows:
         writer.writerow({key: ("" if row.get(key) is None else _csv_number(row[key])) for key in SUMMARY_COLUMNS})
-    _write_atomic(path, text.getvalue().encode())
+    atomic_write(path, text.getvalue())
 
 
 def _csv_number(value):
@@ -114,7 +107,7 @@ def draw_curves(rows, path, title=""):
         axes.legend()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
-    _write_atomic(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
 
 
 class RunLog:
@@ -125,12 +118,17 @@ class RunLog:
     checkpoints do. Only the global main process writes; the others hold an inert RunLog. A
     resumed run keeps the rows of the epochs before --start-epoch: the CSV and curves cover the
     whole run.
+
+    resolved: what the run decided where a flag was left out (the opt level and dtype of the
+    recipe, the data's class count, 'digits' for no DATA); args.yaml and the trackers record these
+    rather than the flags' None.
     """
 
-    def __init__(self, args, accelerator):
+    def __init__(self, args, accelerator, resolved=None):
         self.accelerator = accelerator
         self.active = accelerator.is_main_process
         self.args = args
+        self.resolved = dict(resolved or {})
         self.rows = []
         self.started = False
         self.can_draw = True
@@ -146,7 +144,7 @@ class RunLog:
             os.makedirs(self.dir, exist_ok=True)  # wandb.init(dir=...) wants it to exist
             # TensorBoard's hparams take only numbers, text and booleans
             config = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
-                      for name, value in vars(args).items()}
+                      for name, value in self.settings().items()}
             accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"dir": self.dir}})
 
     def epoch(self, epoch, train, val, optimizer):
@@ -155,7 +153,7 @@ class RunLog:
             return
         if not self.started:
             os.makedirs(self.dir, exist_ok=True)
-            write_args_yaml(self.args, os.path.join(self.dir, "args.yaml"))
+            write_args_yaml(self.settings(), os.path.join(self.dir, "args.yaml"))
             self.started = True
         row = {"epoch": epoch, "train_loss": train.loss, "train_top1": train.top1, "val_loss": val.loss,
                "top1": val.top1, "top5": val.top5, "lr": optimizer.param_groups[0]["lr"],
@@ -170,6 +168,10 @@ class RunLog:
         if train.loss_scale is not None:
             values["loss_scale"] = train.loss_scale
         self.accelerator.log(values, step=epoch)
+
+    def settings(self):
+        """Every setting of the run: the flags (as resumed: --start-epoch included), then what was resolved."""
+        return {**vars(self.args), **self.resolved}
 
     def draw(self):
         if not self.rows or not self.can_draw:

@@ -5,7 +5,7 @@ import os
 import torch
 from torch import nn
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 
 REFUSED = {
     "inception_v3": "inception_v3 needs 299 px crops and auxiliary logits in training, which this "
@@ -54,8 +54,7 @@ def _torchvision_model(arch, num_classes, pretrained):
     try:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as err:  # truncated download, another model's file, not a torch file
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--pretrained: cannot load {arch} weights from {path} ({first[:200]}); the "
+        raise UsageError(f"--pretrained: cannot load {arch} weights from {path} ({first_line(err, 200)}); the "
                          "file is damaged or of another model: delete it and copy it again") from None
     if num_classes != len(weights.meta["categories"]):
         _replace_classifier(model, num_classes)
@@ -137,8 +136,7 @@ def _timm_model(name, num_classes, pretrained):
         return timm.create_model(name, pretrained=True, num_classes=num_classes,
                                  pretrained_cfg_overlay={"file": path, "source": ""})
     except Exception as err:  # truncated file (SafetensorError), another model's weights, not a weight file
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--pretrained: cannot load timm/{name} weights from {path} ({first[:200]}); "
+        raise UsageError(f"--pretrained: cannot load timm/{name} weights from {path} ({first_line(err, 200)}); "
                          "the file is damaged or of another model: delete it and fetch it again") from None
 
 
@@ -170,7 +168,7 @@ def model_data_config(arch):
 
     A timm model's own config (e.g. 160 px, crop 0.95, bilinear, mean/std 0.5 for test_resnet),
     so pretrained weights see the input they were trained on. train.py and eval.py both get it
-    through utils.setup.parse_args -> utils.data.apply_source_defaults; a flag given on the
+    through utils.setup.parse_args -> utils.cli.apply_source_defaults; a flag given on the
     command line wins. timm's crop_mode 'squash' is not reproduced (we always resize the short side).
     """
     config = timm_data_config(arch)

@@ -24,11 +24,45 @@ DYNAMIC_MAX_SCALE = 2.0 ** 24
 
 
 @dataclass(frozen=True)
+class Level:
+    """One row of the opt-level table: what a level does with the half dtype."""
+    weights: str             # 'fp32' | 'half': the dtype the model's parameters are cast to
+    autocast: bool           # forward runs under torch.autocast in the half dtype
+    master_weights: bool     # the optimizer updates fp32 copies of the half parameters
+    keep_bn_fp32: bool       # --keep-batchnorm-fp32 default; only a half model has BN to keep
+    loss_scale_fp16: object  # default loss scale with fp16: None | 'dynamic' | float (static)
+    loss_scale_bf16: object  # the same with bf16 (its fp32-sized exponent rarely needs one)
+
+    @property
+    def half_weights(self):
+        return self.weights == "half"
+
+    @property
+    def uses_half(self):
+        return self.half_weights or self.autocast
+
+
+# The README's opt-level table, column for column (BN at O0/O1 is fp32: the weights are fp32,
+# and autocast runs BatchNorm in fp32).
+#                 weights  autocast  masters  keep BN fp32  loss scale fp16  loss scale bf16
+OPT_LEVELS = {
+    "O0": Level("fp32",  False,    False,   False,        None,            None),
+    "O1": Level("fp32",  True,     False,   False,        "dynamic",       None),
+    "O2": Level("half",  False,    True,    True,         "dynamic",       None),
+    "O3": Level("half",  False,    False,   False,        1.0,             1.0),
+}
+
+
+@dataclass(frozen=True)
 class Recipe:
-    opt_level: str          # O0 | O1 | O2 | O3
+    opt_level: str          # O0 | O1 | O2 | O3, a key of OPT_LEVELS
     dtype_name: str         # 'no' (fp32, O0 only) | 'fp16' | 'bf16'
-    keep_bn_fp32: bool      # only meaningful at O2/O3
+    keep_bn_fp32: bool      # only meaningful where the weights are half (O2/O3)
     loss_scale: object      # None | 'dynamic' | float (static)
+
+    @property
+    def level(self):
+        return OPT_LEVELS[self.opt_level]
 
     @property
     def half_dtype(self):
@@ -36,24 +70,22 @@ class Recipe:
 
     @property
     def autocast(self):
-        return self.opt_level == "O1"
+        return self.level.autocast
 
     @property
-    def cast_model(self):
-        return self.opt_level in ("O2", "O3")
+    def half_weights(self):
+        return self.level.half_weights
 
     @property
     def master_weights(self):
-        return self.opt_level == "O2"
+        return self.level.master_weights
 
     def describe(self):
         """One line that says what was resolved, e.g. for the startup log."""
-        half = self.dtype_name
-        if self.opt_level == "O0":
-            parts = "weights fp32, BN fp32, optimizer fp32"
-            half = "fp32"
-        elif self.opt_level == "O1":
-            parts = f"autocast {half}, weights fp32, BN fp32, optimizer fp32"
+        half = self.dtype_name if self.level.uses_half else "fp32"
+        if not self.half_weights:
+            autocast = f"autocast {half}, " if self.autocast else ""
+            parts = f"{autocast}weights fp32, BN fp32, optimizer fp32"
         else:
             bn = "fp32" if self.keep_bn_fp32 else "half"
             master = "master fp32" if self.master_weights else "no master (optimizer on half weights)"
@@ -78,7 +110,7 @@ def requested_mixed_precision(flag_value):
 
 
 def resolve_recipe(opt_level, keep_bn_fp32, loss_scale, mixed_precision, mp_source=None):
-    """Turn the Apex flags plus Accelerate's mixed_precision into a Recipe.
+    """Turn the Apex flags plus Accelerate's mixed_precision into a Recipe, reading OPT_LEVELS.
 
     Returns (recipe, notes): notes are warnings for the user (flags with no effect and why).
     Raises UsageError for combinations Apex refused too.
@@ -89,49 +121,60 @@ def resolve_recipe(opt_level, keep_bn_fp32, loss_scale, mixed_precision, mp_sour
                          "use no, fp16 or bf16")
     if opt_level is None:
         opt_level = "O1" if mixed_precision in HALF_DTYPES else "O0"
+    level = OPT_LEVELS[opt_level]
 
-    if opt_level == "O0":
+    if not level.uses_half:
         if mixed_precision in HALF_DTYPES:
-            notes.append(f"O0 runs in fp32; mixed precision {mixed_precision} from {mp_source} is not used")
-        dtype_name = "no"
-    else:
-        if mixed_precision == "no" and mp_source == "--mixed-precision":
-            raise UsageError(f"--mixed-precision no contradicts --opt-level {opt_level}; drop one of them "
-                             "(O0 is fp32)")
-        dtype_name = mixed_precision if mixed_precision in HALF_DTYPES else "fp16"
-
-    if opt_level == "O1" and keep_bn_fp32 is not None:
-        raise UsageError("--keep-batchnorm-fp32 cannot be used with --opt-level O1: autocast already runs "
-                         "BatchNorm in fp32; drop the flag or use O2/O3")
-    if opt_level == "O0":
+            notes.append(f"{opt_level} runs in fp32; mixed precision {mixed_precision} from {mp_source} "
+                         "is not used")
         if keep_bn_fp32 is not None:
-            notes.append("--keep-batchnorm-fp32 has no effect at O0 (everything is fp32); ignored")
-        keep_bn = False
-    elif opt_level == "O1":
-        keep_bn = False
-    else:
-        keep_bn = (opt_level == "O2") if keep_bn_fp32 is None else keep_bn_fp32
-
-    if opt_level == "O0":
+            notes.append(f"--keep-batchnorm-fp32 has no effect at {opt_level} (everything is fp32); ignored")
         if loss_scale is not None:
-            notes.append(f"--loss-scale {loss_scale} has no effect in fp32 (O0); not applied")
-        scale = None
-    elif loss_scale is not None:
-        scale = loss_scale
-    elif opt_level == "O3":
-        scale = 1.0
-    else:
-        scale = "dynamic" if dtype_name == "fp16" else None
+            notes.append(f"--loss-scale {loss_scale} has no effect in fp32 ({opt_level}); not applied")
+        return Recipe(opt_level, "no", level.keep_bn_fp32, None), notes
+
+    if mixed_precision == "no" and mp_source == "--mixed-precision":
+        raise UsageError(f"--mixed-precision no contradicts --opt-level {opt_level}; drop one of them "
+                         "(O0 is fp32)")
+    if keep_bn_fp32 is not None and not level.half_weights:
+        raise UsageError(f"--keep-batchnorm-fp32 cannot be used with --opt-level {opt_level}: autocast already "
+                         "runs BatchNorm in fp32; drop the flag or use O2/O3")
+    dtype_name = mixed_precision if mixed_precision in HALF_DTYPES else "fp16"  # Apex's dtype
+    keep_bn = level.keep_bn_fp32 if keep_bn_fp32 is None else keep_bn_fp32
+    default_scale = level.loss_scale_fp16 if dtype_name == "fp16" else level.loss_scale_bf16
+    scale = default_scale if loss_scale is None else loss_scale
     return Recipe(opt_level, dtype_name, keep_bn, scale), notes
 
 
+def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
+    """True/False when the CPU flags say whether it has bf16 instructions; None where unknown."""
+    try:
+        with open(cpuinfo) as handle:
+            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 def cpu_fp16_note(recipe, device_type):
-    """Accelerate alone silently trains fp16 runs in fp32 on a CPU; say what happens here instead."""
-    if device_type != "cuda" and recipe.dtype_name == "fp16":
-        return ("fp16 on a machine without CUDA: running real fp16 on the CPU through torch's CPU "
-                "kernels (slow; Accelerate alone would silently use fp32). --mixed-precision bf16 is "
-                "usually faster on CPUs")
-    return None
+    """Accelerate alone silently trains fp16 runs in fp32 on a CPU; say what happens here instead.
+
+    Half precision pays on a CPU only with native bf16 instructions (AVX512_BF16, AMX): on a
+    2-core AVX-512 Xeon without them a ResNet-18 step took 2.3x longer in bf16 autocast than in
+    fp32 (docs/precision.md), so the advice depends on the CPU.
+    """
+    if device_type == "cuda" or recipe.dtype_name != "fp16":
+        return None
+    note = ("fp16 on a machine without CUDA: running real fp16 on the CPU through torch's CPU kernels "
+            "(slow; Accelerate alone would silently use fp32). ")
+    native_bf16 = cpu_has_native_bf16()
+    if native_bf16:
+        return note + "This CPU has bf16 instructions: --mixed-precision bf16 is faster"
+    if native_bf16 is False:
+        return note + ("This CPU has no bf16 instructions (AVX512_BF16, AMX), so bf16 is slow here too: "
+                       "--opt-level O0 (fp32) is the fastest")
+    return note + ("Half precision pays on a CPU only with bf16 instructions (AVX512_BF16, AMX); "
+                   "without them --opt-level O0 (fp32) is the fastest")
 
 
 class LossScaler:
@@ -226,7 +269,7 @@ class Precision:
         # O2 masters are copied before the cast, so they keep every fp32 bit (e.g. after a resume).
         fp32_copies = ({p: p.detach().clone().float().requires_grad_(True) for p in self.model_params}
                        if recipe.master_weights else {})
-        if recipe.cast_model:
+        if recipe.half_weights:
             cast_model(model, recipe.half_dtype, recipe.keep_bn_fp32)
             half = recipe.half_dtype
             # Inputs in half for the half model; logits back in fp32 so the loss is computed in fp32.

@@ -12,11 +12,13 @@ range(name) and stops when end_step(step) returns True. The hooks:
 """
 import contextlib
 import csv
-import os
+import io
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .files import atomic_write
 
 STEP_RANGE = "Body of iteration {}"
 DATA_RANGE = "prefetcher.next()"   # the engine's names for its ranges (Apex's NVTX names)
@@ -273,7 +275,7 @@ class TimedLoader:
 def time_data_wait(train, phases):
     """Split the loop's data phase into the wait for a host batch and the host-to-device step.
 
-    utils/data.py DevicePrefetcher takes a host batch from its DataLoader and copies it to the
+    utils/batches.py DevicePrefetcher takes a host batch from its DataLoader and copies it to the
     device inside one next(), which the loop times as a whole. Wrapping the DataLoader it holds
     (its .loader) gives the wait a nested range of its own, so profiling needs no hook in the data
     code and a normal run pays nothing. Returns False for sources with no host loader (synthetic
@@ -366,20 +368,19 @@ def write_benchmark_csv(rows, path):
     header = (context + ["opt_level", "dtype", "channels_last", "global_batch", "img_per_s",
                          "ms_per_step", "peak_gib", "ratio"]
               + [label.replace(" ", "_").replace("-", "_") + "_ms" for label in phase_labels] + ["note"])
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        for row in rows:
-            phases = dict(row.times.phases) if row.times else {}
-            ratio = _ratio(row, rows[0])
-            writer.writerow(
-                [row.extra.get(key, "") for key in context]
-                + [row.opt_level, row.dtype, row.channels_last, row.images_per_step,
-                   _num(row.img_per_s, 1), _num(row.times.step_ms if row.times else None, 3),
-                   _num(None if row.peak_bytes is None else row.peak_bytes / 2 ** 30, 3), _num(ratio, 3)]
-                + [_num(phases.get(label), 3) for label in phase_labels] + [row.note])
-    os.replace(tmp, path)  # a reader (or a killed sweep) never sees half a file
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(header)
+    for row in rows:
+        phases = dict(row.times.phases) if row.times else {}
+        ratio = _ratio(row, rows[0])
+        writer.writerow(
+            [row.extra.get(key, "") for key in context]
+            + [row.opt_level, row.dtype, row.channels_last, row.images_per_step,
+               _num(row.img_per_s, 1), _num(row.times.step_ms if row.times else None, 3),
+               _num(None if row.peak_bytes is None else row.peak_bytes / 2 ** 30, 3), _num(ratio, 3)]
+            + [_num(phases.get(label), 3) for label in phase_labels] + [row.note])
+    atomic_write(path, text.getvalue())  # a reader (or a killed sweep) never sees half a file
 
 
 def _num(value, digits):

@@ -4,8 +4,8 @@ import sys
 
 import torch
 
-from . import data as data_lib
 from .checkpoint import load_checkpoint, load_model_weights
+from .cli import apply_source_defaults
 from .errors import UsageError
 from .models import build_model, model_data_config
 from .precision import Precision, build_sgd, cpu_fp16_note, requested_mixed_precision, resolve_recipe
@@ -13,8 +13,10 @@ from .precision import Precision, build_sgd, cpu_fp16_note, requested_mixed_prec
 
 def parse_args(parser, argv=None):
     args = parser.parse_args(argv)
+    check_lr_steps(args)  # before the source defaults fill --lr-steps in
     # A timm model's own input size, crop pct, interpolation and mean/std fill what no flag set.
-    data_lib.apply_source_defaults(args, model_data_config(args.arch))
+    apply_source_defaults(args, model_data_config(args.arch))
+    warn_unreached_milestones(args)
     if not 0.0 < args.crop_pct <= 1.0:
         raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if not 0.0 < args.min_scale <= 1.0:
@@ -26,6 +28,31 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--prof {args.prof} needs {args.prof + window} steps but --steps-per-epoch is "
                          f"{args.steps_per_epoch}")
     return args
+
+
+def check_lr_steps(args):
+    """--lr-steps: increasing epochs, and only for the step schedule (no flag parsed and ignored)."""
+    steps = getattr(args, "lr_steps", None)
+    if steps is None:
+        return
+    if args.lr_schedule != "step":
+        raise UsageError(f"--lr-steps applies to --lr-schedule step, not {args.lr_schedule}; drop it")
+    if any(later <= earlier for earlier, later in zip(steps, steps[1:])):
+        raise UsageError(f"--lr-steps must be increasing epochs, got {' '.join(map(str, steps))}")
+
+
+def warn_unreached_milestones(args):
+    """A step schedule whose milestones all lie at or past --epochs never decays the LR: say so.
+
+    Called before the Accelerator exists, so the rank comes from the launcher's RANK variable."""
+    if getattr(args, "lr_schedule", None) != "step" or getattr(args, "evaluate", False):
+        return
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    if not any(milestone < args.epochs for milestone in args.lr_steps):
+        print(f"warning: no --lr-steps milestone ({' '.join(map(str, args.lr_steps))}) falls inside "
+              f"--epochs {args.epochs}, so the LR never decays; pass --lr-steps with earlier epochs",
+              file=sys.stderr, flush=True)
 
 
 def set_determinism(args):
@@ -99,8 +126,22 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
     return model, optimizer, precision
 
 
-def resume_checkpoint(args, accelerator):
-    """The checkpoint given by --resume (loaded on every process), or None."""
+def build_or_resume(args, accelerator, recipe, num_classes):
+    """The training state train.py and profile.py start from: (model, optimizer, precision, best
+    top-1 so far). With --resume (loaded on every process) the weights, optimizer, loss scale and
+    args.start_epoch come from the checkpoint, in the order that makes a resumed run bit-exact."""
+    checkpoint = resume_checkpoint(args)
+    model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
+    if checkpoint is None:
+        return model, optimizer, precision, 0.0
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    precision.load_state_dict(checkpoint.get("loss_scale"))
+    args.start_epoch = checkpoint["epoch"]
+    return model, optimizer, precision, checkpoint.get("best_prec1", 0.0)
+
+
+def resume_checkpoint(args):
+    """The checkpoint given by --resume, or None."""
     if not args.resume:
         return None
     checkpoint = load_checkpoint(args.resume)

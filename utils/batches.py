@@ -1,0 +1,175 @@
+"""The batch path every image source shares: transforms, seeded samples, the sharded sampler,
+uint8 collate, the device prefetcher, and the Data bundle the scripts iterate.
+
+Batches leave the workers as uint8 NHWC tensors (no ToTensor, no float on the CPU); the
+prefetcher moves them to the device on a side stream and converts and normalises them there.
+Augmentation is a pure function of (seed, epoch, sample index), so runs repeat exactly and a
+resumed run sees the same crops as an uninterrupted one, whatever the worker or process count.
+The sources (utils/data.py, utils/hf_data.py) hand sharded_data() map-style datasets of
+(PIL image, label); they import this module, and it imports none of them.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchvision import transforms
+
+from .errors import UsageError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def train_transform(image_size, min_scale, hflip, interpolation="bilinear"):
+    mode = transforms.InterpolationMode(interpolation)
+    steps = [transforms.RandomResizedCrop(image_size, scale=(min_scale, 1.0), interpolation=mode)]
+    if hflip > 0:
+        steps.append(transforms.RandomHorizontalFlip(hflip))
+    return transforms.Compose(steps)
+
+
+def val_transform(image_size, crop_pct, interpolation="bilinear"):
+    mode = transforms.InterpolationMode(interpolation)
+    return transforms.Compose([transforms.Resize(int(math.floor(image_size / crop_pct)), interpolation=mode),
+                               transforms.CenterCrop(image_size)])
+
+
+class SeededSamples(torch.utils.data.Dataset):
+    """Seeds the augmentation RNG from (seed, epoch, index) before each sample is transformed."""
+
+    def __init__(self, dataset, seed):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, epoch = key
+        torch.manual_seed(((self.seed * 1_000_003 + epoch) * 10_000_019 + index) % (2 ** 63))
+        return self.dataset[index]
+
+
+class ShardedEpochSampler(torch.utils.data.Sampler):
+    """One shuffled pass per epoch, shared by all ranks and split without duplicates.
+
+    The permutation comes from (seed, epoch); it is cut to a whole number of global batches
+    (drop_last, as for training) and rank r takes every world-th sample. Yields (index, epoch)
+    so SeededSamples can seed the augmentation in whichever worker process serves it.
+    """
+
+    def __init__(self, size, batch_size, rank, world, seed):
+        self.size, self.rank, self.world, self.seed = size, rank, world, seed
+        self.global_batch = batch_size * world
+        self.epoch = 0
+        if size < self.global_batch:
+            raise UsageError(f"the train split has {size} images, fewer than one global batch of "
+                             f"{self.global_batch} ({batch_size} per process x {world}); lower "
+                             "--batch-size")
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return (self.size // self.global_batch) * self.global_batch // self.world
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator)
+        usable = (self.size // self.global_batch) * self.global_batch
+        for index in order[:usable][self.rank::self.world].tolist():
+            yield index, self.epoch
+
+
+def fast_collate(batch):
+    """Stack PIL images into one uint8 NHWC tensor; labels into int64."""
+    images = torch.from_numpy(np.stack([np.asarray(image, dtype=np.uint8) for image, _ in batch]))
+    targets = torch.tensor([target for _, target in batch], dtype=torch.int64)
+    return images, targets
+
+
+class DevicePrefetcher:
+    """Iterates a uint8 NHWC loader and yields normalised float NCHW batches on the device.
+
+    On CUDA the copy and normalisation of batch i+1 run on a side stream while batch i trains;
+    record_stream tells the caching allocator the main stream still uses the tensors.
+    """
+
+    def __init__(self, loader, device, mean, std, channels_last):
+        self.loader = loader
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.mean = torch.tensor([m * 255 for m in mean], device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor([s * 255 for s in std], device=device).view(1, 3, 1, 1)
+        self.cuda = device.type == "cuda"
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _to_device(self, images, targets):
+        images = images.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        images = images.permute(0, 3, 1, 2).float().contiguous(memory_format=self.memory_format)
+        images = images.sub_(self.mean).div_(self.std)
+        return images, targets
+
+    def __iter__(self):
+        if not self.cuda:
+            for images, targets in self.loader:
+                yield self._to_device(images, targets)
+            return
+        stream = torch.cuda.Stream()
+        pending = None
+        for images, targets in self.loader:
+            with torch.cuda.stream(stream):
+                batch = self._to_device(images, targets)
+            if pending is not None:
+                yield pending
+            torch.cuda.current_stream().wait_stream(stream)
+            for tensor in batch:
+                tensor.record_stream(torch.cuda.current_stream())
+            pending = batch
+        if pending is not None:
+            yield pending
+
+
+@dataclass
+class Data:
+    train: object          # iterable of (images, targets) on the device; has set_epoch
+    val: object
+    num_classes: int
+    val_size: int          # images in the whole val split (all ranks together)
+    train_sampler: object = None
+    classes: list = None   # class names in label order, where the source has them (eval.py checks them)
+
+    def set_epoch(self, epoch):
+        if self.train_sampler is not None:
+            self.train_sampler.set_epoch(epoch)
+
+
+def _loader(dataset, sampler, args, device):
+    workers = args.workers
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
+        collate_fn=fast_collate, pin_memory=device.type == "cuda", drop_last=False,
+        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
+
+
+def sharded_data(train_set, val_set, num_classes, args, accelerator, mean, std):
+    """Data over map-style datasets of (PIL image, label), shared by every image source.
+
+    Training: one seeded shuffle per epoch split over the processes (ShardedEpochSampler).
+    Validation: rank r takes every world-th image, no padding, so every image counts once.
+    train_set None (evaluation only) builds the val loader alone.
+    """
+    device = accelerator.device
+    rank, world = accelerator.process_index, accelerator.num_processes
+    val_loader = _loader(val_set, list(range(rank, len(val_set), world)), args, device)
+    val = DevicePrefetcher(val_loader, device, mean, std, args.channels_last)
+    train_loader, sampler = None, None
+    if train_set is not None:
+        sampler = ShardedEpochSampler(len(train_set), args.batch_size, rank, world, args.seed)
+        train_loader = DevicePrefetcher(_loader(SeededSamples(train_set, args.seed), sampler, args, device),
+                                        device, mean, std, args.channels_last)
+    return Data(train_loader, val, num_classes, len(val_set), sampler, getattr(val_set, "classes", None))
