@@ -1,13 +1,19 @@
-"""Evaluate a train.py checkpoint: top-1/top-5, loss and images/s on a val split, Apex-style.
+"""Evaluate a train.py checkpoint, or published weights: top-1/top-5, loss and images/s on a val split.
 
     python eval.py --resume model_best.pth.tar                     # the data it was trained on
     python eval.py --resume model_best.pth.tar /data/imagenet --opt-level O2 --results-file r.json
+    python eval.py --pretrained -a resnet50 /data/imagenet         # torchvision/timm weights, local cache
+    python eval.py --resume model_best.pth.tar --predictions preds.csv    # per-image top-5
     accelerate launch --config_file accelerate_configs/2gpu.yaml eval.py --resume model_best.pth.tar
 
 Every flag left out comes from the checkpoint's own training command line (its stored args):
 DATA, image size, crop, batch size, opt level, channels_last; the architecture and the number of
 classes always do (-a / --num-classes given on the command line must match them). Flags that
 only make sense for training (--lr, --epochs, ...) are refused rather than silently ignored.
+--pretrained instead scores the weights torchvision or timm publish for -a (never downloaded: from
+the local cache, as train.py --pretrained), with the model's own input size, crop, interpolation
+and mean/std, so the val pipeline can be checked against the published top-1; DATA must hold the
+weights' classes (1000 for ImageNet weights), in their order.
 On N processes rank r scores every N-th val image, so every image counts exactly once.
 """
 import argparse
@@ -22,12 +28,13 @@ import torch
 from utils.checkpoint import load_checkpoint, load_model_weights
 from utils.cli import (FlagSafeHelpFormatter, OneLineErrorParser, add_data_args, add_datasets_args,
                        add_precision_args, add_run_args, positive_int)
+from utils.compiled import compile_model
 from utils.data import build_data
 from utils.engine import validate
 from utils.errors import UsageError, exit_on_usage_error
 from utils.files import atomic_write
 from utils.logs import Progress
-from utils.models import build_model
+from utils.models import REFUSED, build_model, torchvision_names
 from utils.precision import HALF_DTYPES, Precision
 from utils.setup import make_accelerator, parse_args, warn
 
@@ -58,20 +65,36 @@ def results_path(text):
     return text
 
 
+def predictions_path(text):
+    """--predictions: a CSV file name, checked before any work is done."""
+    if os.path.splitext(text)[1].lower() != ".csv":
+        raise argparse.ArgumentTypeError(f"expected a file name ending in .csv, got {text!r}")
+    return text
+
+
 def build_eval_parser():
     """eval.py's own flags, and the data, precision and run flags it shares with train.py."""
     parser = OneLineErrorParser(prog="eval.py", description=__doc__, epilog=INHERITED,
                                 formatter_class=HelpFormatter)
-    group = parser.add_argument_group("checkpoint")
+    group = parser.add_argument_group("checkpoint or pretrained weights")
     group.add_argument("--resume", default="", metavar="PATH",
-                       help="the checkpoint to evaluate, written by train.py (required)")
+                       help="the checkpoint to evaluate, written by train.py (this or --pretrained is required)")
+    group.add_argument("--pretrained", action="store_true",
+                       help="evaluate the pretrained weights of -a ARCH (torchvision's, or timm's for "
+                            "timm/<name>) from the local cache, never downloaded; not with --resume")
     group.add_argument("-a", "--arch", default=None, metavar="ARCH",
-                       help="must match the checkpoint's architecture (default: the checkpoint's)")
+                       help="must match the checkpoint's architecture (default: the checkpoint's); with "
+                            "--pretrained, the model to evaluate (required)")
     group.add_argument("--num-classes", type=positive_int, default=None, metavar="N",
-                       help="must match the checkpoint's classifier (default: the checkpoint's)")
+                       help="must match the checkpoint's classifier (default: the checkpoint's), or "
+                            "with --pretrained the weights' (default: theirs, e.g. 1000)")
     group.add_argument("--results-file", type=results_path, default=None, metavar="PATH",
                        help="also write the figures, with the checkpoint's epoch, arch and opt level, "
                             "to PATH: .json (one object) or .csv (a header and one row) (default: none)")
+    group.add_argument("--predictions", type=predictions_path, default=None, metavar="PATH.csv",
+                       help="also write every val image's top-5 to PATH.csv: one row per image (index, "
+                            "path, label and its name, 5 class indices, probabilities and names), "
+                            "from all processes (default: none)")
     group.add_argument("-e", "--evaluate", action="store_true",
                        help="accepted for train.py command lines; eval.py always only evaluates")
     add_data_args(parser, training=False)
@@ -79,6 +102,7 @@ def build_eval_parser():
     add_precision_args(parser, training=False)
     add_run_args(parser, training=False)
     parser.set_defaults(**NOT_EVALUATED)
+    parser.set_defaults(evaluate=True)  # -e or not: the shared start-up checks must see an evaluation
     return parser
 
 
@@ -130,8 +154,11 @@ def parse_eval_args(argv):
     checkpoint's settings become the parser's defaults before the second, real, parse."""
     argv = sys.argv[1:] if argv is None else list(argv)
     given, resume = typed_flags(argv)
+    if "pretrained" in given:
+        return parse_pretrained_args(argv, given, resume), None
     if not resume:
-        raise UsageError("eval.py needs a checkpoint: --resume PATH (e.g. model_best.pth.tar)")
+        raise UsageError("eval.py needs a checkpoint: --resume PATH (e.g. model_best.pth.tar), or "
+                         "--pretrained -a ARCH for published weights")
     checkpoint = load_checkpoint(resume)
     stored = checkpoint.get("args") or {}
     inherit = [key for key in FROM_CHECKPOINT if not ("data" in given and key in DATA_READING)]
@@ -146,6 +173,39 @@ def parse_eval_args(argv):
     check_against_checkpoint(args, given, checkpoint, defaults)
     inherit_half_dtype(args, checkpoint)
     return args, checkpoint
+
+
+def parse_pretrained_args(argv, given, resume):
+    """--pretrained: no checkpoint; -a names the model, the weights fix the number of classes, and
+    the model's data config (a timm model's size, crop, interpolation, mean/std) fills the data
+    flags left out (utils.setup.parse_args -> apply_source_defaults)."""
+    if resume:
+        raise UsageError("--pretrained and --resume both name the weights to evaluate; give one of them")
+    if "arch" not in given:
+        raise UsageError("--pretrained needs -a ARCH: the torchvision or timm/<name> model whose weights "
+                         "to evaluate (e.g. -a resnet50)")
+    args = parse_args(build_eval_parser(), argv)
+    classes = pretrained_num_classes(args.arch)
+    if args.num_classes is not None and args.num_classes != classes:
+        raise UsageError(f"the pretrained {args.arch} weights have {classes} classes, not --num-classes "
+                         f"{args.num_classes}; drop --num-classes")
+    args.num_classes = classes
+    return args
+
+
+def pretrained_num_classes(arch):
+    """Classifier outputs of the weights --pretrained loads for arch (1000 for ImageNet weights)."""
+    if arch.startswith("timm/"):  # parse_args has already refused unknown names and weight tags
+        import timm.models
+        cfg = timm.models.get_pretrained_cfg(arch[len("timm/"):])
+        if cfg is None or not cfg.num_classes:
+            raise UsageError(f"--pretrained: timm lists no pretrained weights for {arch}; drop --pretrained "
+                             "or pick a model that has some (timm.list_pretrained())")
+        return int(cfg.num_classes)
+    import torchvision
+    if arch in REFUSED or arch not in torchvision_names():
+        build_model(arch, 1)  # raises the message train.py gives for this name
+    return len(torchvision.models.get_model_weights(arch).DEFAULT.meta["categories"])
 
 
 def check_against_checkpoint(args, given, checkpoint, defaults):
@@ -175,10 +235,17 @@ def inherit_half_dtype(args, checkpoint):
 
 
 def check_classes(data, checkpoint, args):
-    """The val split must hold the classes the checkpoint was trained on, in the same order."""
-    trained = checkpoint.get("classes")
+    """The val split must hold the classes the checkpoint was trained on, in the same order; for
+    --pretrained (checkpoint None), as many classes as the weights have."""
     found = getattr(data, "classes", None)
     where = f"DATA {args.data or 'digits'!r}"
+    if checkpoint is None:
+        if data.num_classes != args.num_classes:
+            raise UsageError(f"{where} has {data.num_classes} classes but the pretrained {args.arch} weights "
+                             f"have {args.num_classes}; evaluate on data with the weights' classes, in "
+                             "their order (ImageNet weights: ImageNet's val/, one folder per class)")
+        return
+    trained = checkpoint.get("classes")
     if trained and found and list(trained) != list(found):
         extra = sorted(set(found) - set(trained))[:3]
         missing = sorted(set(trained) - set(found))[:3]
@@ -194,17 +261,24 @@ def check_classes(data, checkpoint, args):
 def build_eval_model(args, accelerator, recipe, checkpoint):
     """The checkpoint's model with the recipe applied. Not prepared: no DDP is needed to score,
     and each process scores its own images."""
-    model = build_model(args.arch, args.num_classes)
-    load_model_weights(model, checkpoint["state_dict"], args.arch, args.resume)
+    if checkpoint is None:  # --pretrained: the local cache or the refusal train.py gives
+        model = build_model(args.arch, args.num_classes, pretrained=True)
+    else:
+        model = build_model(args.arch, args.num_classes)
+        load_model_weights(model, checkpoint["state_dict"], args.arch, args.resume)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(accelerator.device, memory_format=memory_format)
-    return model, Precision(recipe, model, accelerator.device.type)
+    precision = Precision(recipe, model, accelerator.device.type)
+    if args.compile:  # after the recipe's casts and hooks, so the compiled graph holds them
+        model = compile_model(model, args.compile, accelerator.print)
+    return model, precision
 
 
 def result_record(args, checkpoint, recipe, result, accelerator):
+    checkpoint = checkpoint or {}  # --pretrained: no epoch, no training opt level
     return {
-        "checkpoint": os.path.abspath(args.resume), "epoch": checkpoint["epoch"],
-        "arch": checkpoint["arch"], "opt_level": checkpoint.get("opt_level"),
+        "checkpoint": os.path.abspath(args.resume) if args.resume else f"pretrained {args.arch}",
+        "epoch": checkpoint.get("epoch"), "arch": args.arch, "opt_level": checkpoint.get("opt_level"),
         "eval_opt_level": recipe.opt_level, "eval_dtype": recipe.dtype_name,
         "data": args.data or "digits", "images": result.count,
         "top1": round(result.top1, 4), "top5": round(result.top5, 4), "loss": round(result.loss, 6),
@@ -227,26 +301,107 @@ def write_results(record, path):
     atomic_write(path, text)
 
 
+class PredictionRecorder(torch.nn.Module):
+    """The eval criterion that also keeps each batch's top-k classes and probabilities.
+
+    validate() hands the criterion every batch's logits and targets, in loader order, so recording
+    here needs no second pass over the val split and no change to the shared loop. Kept on the
+    device until the end: no host sync per batch.
+    """
+
+    def __init__(self, criterion, num_classes, k=5):
+        super().__init__()
+        self.criterion = criterion
+        self.k = min(k, num_classes)
+        self.top, self.classes, self.targets = [], [], []
+
+    def forward(self, output, target):
+        with torch.no_grad():
+            top = torch.softmax(output.float(), dim=1).topk(self.k, dim=1)
+            self.top.append(top.values)
+            self.classes.append(top.indices)
+            self.targets.append(target)
+        return self.criterion(output, target)
+
+    def rows(self, indices, paths, names):
+        """This process's rows; indices: the val-split index of each image it scored, in order."""
+        if not self.targets:
+            return []
+        probs, classes = torch.cat(self.top).cpu().tolist(), torch.cat(self.classes).cpu().tolist()
+        targets = torch.cat(self.targets).cpu().tolist()
+        if len(targets) != len(indices):  # a sharding change must not mislabel rows
+            raise RuntimeError(f"scored {len(targets)} images but this process's share is {len(indices)}")
+        name = lambda label: names[label] if names and label < len(names) else ""
+        return [[index, paths[index] if paths else "", label, name(label), *top_classes,
+                 *[round(p, 6) for p in top_probs], *[name(c) for c in top_classes]]
+                for index, label, top_classes, top_probs in zip(indices, targets, classes, probs)]
+
+
+def val_identity(data, accelerator):
+    """(val-split indices this process scores, in order; file paths by index or None).
+
+    utils.batches.sharded_data gives rank r every world-th image: r, r + world, ...; ImageFolder
+    sources (and the digits cache) know each image's path, datasets sources only its row."""
+    indices = list(range(accelerator.process_index, data.val_size, accelerator.num_processes))
+    dataset = getattr(getattr(data.val, "loader", None), "dataset", None)
+    samples = getattr(dataset, "samples", None)
+    # Only file paths name an image (a datasets source read by the gpu backend holds row keys).
+    if not samples or not isinstance(samples[0][0], (str, os.PathLike)):
+        return indices, None
+    return indices, [str(where) for where, _ in samples]
+
+
+def write_predictions(recorder, data, accelerator, args, checkpoint, path):
+    """Gather every process's rows to the main process, check each image is there once, write."""
+    from accelerate.utils import gather_object
+
+    indices, paths = val_identity(data, accelerator)
+    names = data.classes or (checkpoint or {}).get("classes")
+    rows = gather_object(recorder.rows(indices, paths, names))
+    if not accelerator.is_main_process:
+        return
+    rows.sort(key=lambda row: row[0])
+    if [row[0] for row in rows] != list(range(data.val_size)):
+        raise RuntimeError(f"predictions hold {len(rows)} rows for a val split of {data.val_size} images")
+    ranks = range(1, recorder.k + 1)
+    header = ["index", "path", "label", "label_name", *[f"pred{r}" for r in ranks],
+              *[f"prob{r}" for r in ranks], *[f"name{r}" for r in ranks]]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(header)
+    writer.writerows(rows)
+    atomic_write(path, buffer.getvalue())
+
+
 def main(argv=None):
     args, checkpoint = parse_eval_args(argv)
+    if args.predictions and args.data == "synthetic":
+        raise UsageError("--predictions needs real images; synthetic data has none to name: drop it")
     accelerator, recipe, notes = make_accelerator(args)
     for note in notes:
         warn(accelerator, note)
     progress = Progress(accelerator)
     log = progress.print
 
+    # The model first: missing --pretrained weights are refused before the val split is read.
+    model, precision = build_eval_model(args, accelerator, recipe, checkpoint)
     data = build_data(args, accelerator, train=False)
     check_classes(data, checkpoint, args)
-    model, precision = build_eval_model(args, accelerator, recipe, checkpoint)
-    trained = f"{checkpoint.get('opt_level') or '?'} {checkpoint_half_dtype(checkpoint) or 'fp32'}"
-    log(f"=> evaluating {args.resume!r}: {args.arch}, epoch {checkpoint['epoch']}, trained at {trained}, "
-        f"best Prec@1 {checkpoint.get('best_prec1', float('nan')):.3f}")
+    if checkpoint is None:
+        log(f"=> evaluating the pretrained {args.arch} weights from the local cache")
+    else:
+        trained = f"{checkpoint.get('opt_level') or '?'} {checkpoint_half_dtype(checkpoint) or 'fp32'}"
+        log(f"=> evaluating {args.resume!r}: {args.arch}, epoch {checkpoint['epoch']}, trained at {trained}, "
+            f"best Prec@1 {checkpoint.get('best_prec1', float('nan')):.3f}")
     log(f"=> {args.data or 'digits'} val: {data.val_size} images | {args.num_classes} classes | "
         f"{accelerator.num_processes} process(es) on {accelerator.device.type} | batch {args.batch_size} "
         f"per process | {args.image_size} px")
     log(recipe.describe())
+    log(args.input_line)
 
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
+    if args.predictions:
+        criterion = PredictionRecorder(criterion, args.num_classes)
     result = validate(model, data, precision, accelerator, args, criterion, log, progress)
     log(f" * Loss {result.loss:.4f} Images {result.count} Speed {result.images_per_sec:.1f} images/s")
     if result.count != data.val_size:  # a sharding bug must never pass as a result
@@ -254,6 +409,9 @@ def main(argv=None):
     if args.results_file and accelerator.is_main_process:
         write_results(result_record(args, checkpoint, recipe, result, accelerator), args.results_file)
         log(f"=> results written to {args.results_file}")
+    if args.predictions:
+        write_predictions(criterion, data, accelerator, args, checkpoint, args.predictions)
+        log(f"=> {data.val_size} per-image predictions written to {args.predictions}")
     accelerator.end_training()
     return result
 

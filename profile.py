@@ -133,8 +133,9 @@ def train_window(args, accelerator, recipe, phases, log):
     check_enough_steps(args, data)  # after --resume moved args.start_epoch
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
     time_data_wait(data.train, phases)
-    for epoch in training_epochs(args, data, accelerator):
-        train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases, log)
+    for epoch, first_step in training_epochs(args, data, accelerator):
+        train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases, log,
+                        first_step=first_step)
         if phases.finished:
             break
     if accelerator.device.type == "cuda":
@@ -162,6 +163,7 @@ def run_profile(args):
     log(f"=> profile.py: {args.arch} | {accelerator.num_processes} process(es) on "
         f"{accelerator.device.type} | {args.prof} warm-up steps, then window steps {args.prof}-{last}")
     log(recipe.describe())
+    log(args.input_line)
     phases = PhaseProfiler(args.prof, args.prof_steps, trace_path=trace_path(args, accelerator))
     peak = train_window(args, accelerator, recipe, phases, log)
     log(f"=> ran {phases.iteration} steps; window steps {args.prof}-{last} done")

@@ -5,27 +5,40 @@
     accelerate launch --config_file accelerate_configs/2gpu.yaml train.py --opt-level O1 /data/imagenet
 
 The story: parse flags -> resolve the precision recipe -> data -> model, optimizer (resumed if
-asked) -> per epoch: train, validate, checkpoint. Details live in utils/.
+asked, possibly mid-epoch) -> per epoch: train, validate, checkpoint. Two ways out before the
+end: SIGTERM/SIGINT (a mid-epoch checkpoint, one line saying how to resume, exit 130/143) and
+divergence (one line naming the step, the LR and the last good checkpoint, exit 3). Details
+live in utils/.
 """
+import os
+import sys
 
 import torch
 
-from utils.checkpoint import save_checkpoint
+from utils.checkpoint import CHECKPOINT, save_checkpoint
 from utils.cli import add_log_args, build_parser, source_kind
+from utils.compiled import plain_module
 from utils.data import build_data
-from utils.engine import train_one_epoch, training_epochs, validate
-from utils.errors import exit_on_usage_error
+from utils.engine import diverged_message, steps_per_epoch, train_one_epoch, training_epochs, validate
+from utils.errors import Diverged, exit_on_usage_error
 from utils.logs import Progress, RunLog, tracker_kwargs
+from utils.preemption import StopOnSignal, stopped_line
 from utils.profiling import NoPhases, NvtxWindow
-from utils.setup import build_or_resume, make_accelerator, parse_args, warn
+from utils.setup import build_or_resume, make_accelerator, parse_args, prepare_output_dir, warn
 
 
 def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
-                     num_classes=None, classes=None):
+                     num_classes=None, classes=None, next_step=0):
+    """What --resume continues from: (epoch, step) is the position to continue at, the next
+    epoch to run after a finished epoch (step 0, as Apex stores it), or the epoch in progress and
+    its next step for a mid-epoch checkpoint (a stop signal, --save-every-steps)."""
     return {
-        "epoch": epoch + 1,  # the next epoch to run, as Apex stores it
+        "epoch": epoch,
+        "step": next_step,
+        "mid_epoch": next_step > 0,  # resumes inside "epoch", at "step" of the same shuffle
+        "global_batch": args.batch_size * accelerator.num_processes,  # what "step" counts in
         "arch": args.arch,
-        "state_dict": precision.fp32_state_dict(accelerator.unwrap_model(model)),
+        "state_dict": precision.fp32_state_dict(plain_module(model)),
         "optimizer": optimizer.state_dict(),
         "loss_scale": precision.state_dict(),
         "best_prec1": best_prec1,
@@ -33,6 +46,7 @@ def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec
         "mixed_precision": recipe.dtype_name,  # the half dtype in use; eval.py evaluates with it
         "num_classes": num_classes,
         "classes": classes,  # class names in label order: eval.py refuses data with other classes
+        "world_size": accelerator.num_processes,  # with args' batch_size: the global batch, for --resume
         "args": dict(vars(args)),
     }
 
@@ -40,6 +54,7 @@ def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec
 def main(argv=None):
     args = parse_args(add_log_args(build_parser(description=__doc__.splitlines()[0])), argv)
     accelerator, recipe, notes = make_accelerator(args, **tracker_kwargs(args))
+    prepare_output_dir(args, accelerator)  # created, writable, no other run's files: before any work
     for note in notes:
         warn(accelerator, note)
     progress = Progress(accelerator)  # a bar on a terminal; log lines print above it
@@ -47,15 +62,17 @@ def main(argv=None):
 
     data = build_data(args, accelerator, train=not args.evaluate)  # -e reads the val split only
     num_classes = args.num_classes or data.num_classes
-    model, optimizer, precision, best_prec1 = build_or_resume(args, accelerator, recipe, num_classes)
+    model, optimizer, precision, best_prec1 = build_or_resume(args, accelerator, recipe, num_classes, data.classes)
     if args.resume:
-        log(f"=> resumed {args.resume!r} at epoch {args.start_epoch} (best Prec@1 {best_prec1:.3f})")
+        inside = f", step {args.start_step}" if args.start_step else ""  # a mid-epoch checkpoint
+        log(f"=> resumed {args.resume!r} at epoch {args.start_epoch}{inside} (best Prec@1 {best_prec1:.3f})")
 
     global_batch = args.batch_size * accelerator.num_processes
     log(f"=> {args.arch} on {source_kind(args.data) if args.data in (None, 'digits', 'synthetic') else args.data}"
         f" | {num_classes} classes | {accelerator.num_processes} process(es) on {accelerator.device.type}"
         f" | global batch {global_batch} | lr {args.lr * global_batch / 256:g}")
     log(recipe.describe())
+    log(args.input_line)
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
 
     if args.evaluate:
@@ -70,24 +87,59 @@ def main(argv=None):
     if args.prof >= 0 and not torch.cuda.is_available():
         warn(accelerator, "--prof: no CUDA, so no NVTX ranges or cudaProfiler calls; the run still "
                           f"stops after step {args.prof + 10}")
-    for epoch in training_epochs(args, data, accelerator):
-        trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
-                                  phases, log, progress)
-        if args.prof >= 0:
-            if phases.finished:
-                break
-            continue  # the window lies in a later epoch (NvtxWindow counts steps across epochs)
-        result = validate(model, data, precision, accelerator, args, criterion, log, progress)
-        is_best = result.top1 > best_prec1
-        best_prec1 = max(result.top1, best_prec1)
-        state = checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
-                                 num_classes, data.classes)
+    steps = steps_per_epoch(data, args)
+    last_good = args.resume or None  # the checkpoint a divergence message points back to
+
+    def save(epoch, next_step=0, is_best=False, lr=None):
+        """checkpoint.pth.tar at (epoch, next_step), by the main process. Non-finite weights are
+        never written (over a good checkpoint, or as model_best): every process checks them and
+        stops with the divergence message instead."""
+        nonlocal last_good
+        if not precision.weights_finite(model):
+            done = (epoch, next_step) if next_step else (epoch - 1, steps)  # the last step run
+            raise Diverged(diverged_message("the weights (or BatchNorm statistics) hold inf/NaN", *done, steps, lr, last_good))
         if accelerator.is_main_process:
-            save_checkpoint(state, is_best, args.output_dir)
-        run_log.epoch(epoch, trained, result, optimizer)
+            save_checkpoint(checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1,
+                                             accelerator, num_classes, data.classes, next_step),
+                            is_best, args.output_dir)
+        last_good = os.path.join(args.output_dir, CHECKPOINT)
+        return last_good
+
+    def every_n_steps(epoch, next_step):  # --save-every-steps: counted across epochs
+        if (epoch * steps + next_step) % args.save_every_steps == 0:
+            save(epoch, next_step, lr=optimizer.param_groups[0]["lr"])
+
+    def stopped(path, epoch, next_step):  # after a stop signal: say where, and how to go on
+        log(stopped_line(stop, path, epoch, next_step, steps, accelerator.num_processes))
+        run_log.finish()
+        accelerator.end_training()
+        return stop.exit_code
+
+    stop = StopOnSignal(announce=accelerator.is_main_process)  # SIGTERM/SIGINT: finish the step first
+    with stop.installed():
+        for epoch, first_step in training_epochs(args, data, accelerator):
+            trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
+                                      phases, log, progress, first_step, stop,
+                                      every_n_steps if args.save_every_steps else None)
+            if trained.diverged:
+                raise Diverged(diverged_message(trained.diverged, epoch, trained.step, steps, trained.lr,
+                                                last_good))
+            if trained.stopped:  # every process stopped at this same step
+                return stopped(save(epoch, trained.next_step, lr=trained.lr), epoch, trained.next_step)
+            if args.prof >= 0:
+                if phases.finished:
+                    break
+                continue  # the window lies in a later epoch (NvtxWindow counts steps across epochs)
+            result = validate(model, data, precision, accelerator, args, criterion, log, progress)
+            is_best = result.top1 > best_prec1  # False for a NaN top-1
+            best_prec1 = result.top1 if is_best else best_prec1
+            path = save(epoch + 1, 0, is_best, lr=trained.lr)
+            run_log.epoch(epoch, trained, result, optimizer)
+            if epoch + 1 < args.epochs and stop.agreed(accelerator):  # a signal during validation or the save
+                return stopped(path, epoch + 1, 0)
     run_log.finish()
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    exit_on_usage_error(main)
+    sys.exit(exit_on_usage_error(main))

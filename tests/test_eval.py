@@ -6,11 +6,12 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
 
-from conftest import make_image_folder, run_script
+from conftest import ROOT, make_image_folder, run_command, run_script
 from utils.checkpoint import save_checkpoint
 from utils.errors import UsageError, exit_on_usage_error
 
@@ -187,9 +188,142 @@ def test_flags_typed_are_found_in_one_parse():
 def test_help_lists_eval_flags_with_defaults_and_no_training_ones():
     text = " ".join(importlib.import_module("eval").build_eval_parser().format_help().split())
     for flag in ("--resume", "--results-file", "--opt-level", "--channels-last", "--image-size", "-b N",
-                 "--val-split", "--local_rank"):
+                 "--val-split", "--local_rank", "--pretrained", "--predictions PATH.csv"):
         assert flag in text, flag
     for flag in ("--lr", "--epochs", "--momentum", "--sync_bn", "--prof", "--min-scale", "--loss-scale",
-                 "--train-split", "--pretrained", "--output-dir", "--seed"):
+                 "--train-split", "--output-dir", "--seed"):
         assert f" {flag} " not in text, flag
     assert "the checkpoint's value unless given" in text and "(default: none)" in text
+
+
+# --- per-image predictions -------------------------------------------------------------------
+
+def read_predictions(path):
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def check_predictions(rows, val_size, top1):
+    """Every val image once, in index order, with its file, label, a ranked top-5 and top-1 as printed."""
+    assert [int(row["index"]) for row in rows] == list(range(val_size))
+    paths = [row["path"] for row in rows]
+    assert len(set(paths)) == val_size and all(os.path.isfile(path) for path in paths)
+    hits = 0
+    for row in rows:
+        assert row["label_name"] == os.path.basename(os.path.dirname(row["path"]))  # the class folder
+        probs = [float(row[f"prob{r}"]) for r in range(1, 6)]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-5
+        assert row["name1"] == row["pred1"]  # digits: class k lives in folder "k"
+        hits += row["pred1"] == row["label"]
+    assert 100.0 * hits / val_size == pytest.approx(top1, abs=1e-3)
+
+
+def test_predictions_csv_holds_every_image_once(trained, evaluate, tmp_path):
+    path = tmp_path / "out" / "preds.csv"
+    result = evaluate("--resume", trained[0] / "checkpoint.pth.tar", "-j", "0", "-b", "64", "--opt-level", "O0",
+                      "--predictions", path)
+    rows = read_predictions(path)
+    check_predictions(rows, DIGITS_VAL, result.top1)
+    assert list(rows[0])[:6] == ["index", "path", "label", "label_name", "pred1", "pred2"]
+    assert not [name for name in os.listdir(path.parent) if name != "preds.csv"]  # no temp file left
+
+
+def test_predictions_from_two_processes_hold_every_image_once(trained, tmp_path):
+    """gloo, 2 processes: 359 images split 180 + 179, gathered to rank 0 and written once."""
+    path = tmp_path / "preds.csv"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run = run_command([torchrun, "--standalone", "--nproc_per_node", 2, os.path.join(ROOT, "eval.py"),
+                       "--resume", trained[0] / "checkpoint.pth.tar", "-j", "0", "-b", "32", "--opt-level", "O0",
+                       "--predictions", path], env=CPU)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 process(es)" in run.stdout
+    top1 = float(FINAL.findall(run.stdout)[-1][0])
+    check_predictions(read_predictions(path), DIGITS_VAL, top1)
+
+
+def test_predictions_mistakes_are_usage_errors(trained, evaluate):
+    checkpoint = trained[0] / "checkpoint.pth.tar"
+    with pytest.raises(SystemExit):  # argparse: checked before any work
+        evaluate("--resume", checkpoint, "--predictions", "preds.txt")
+    with pytest.raises(UsageError, match="--predictions needs real images"):
+        evaluate("--resume", checkpoint, "synthetic", "--predictions", "p.csv")
+
+
+# --- --pretrained ----------------------------------------------------------------------------
+
+TINY_TIMM = "test_resnet.r160_in1k"  # timm's own test model (tests/test_models.py): 160 px, mean/std 0.5
+
+
+@pytest.fixture
+def torch_home(tmp_path, monkeypatch):
+    """A private TORCH_HOME holding a real torchvision resnet18 state dict where torchvision's
+    weights enum says it lives (the file name of its download URL)."""
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    url = torchvision.models.get_model_weights("resnet18").DEFAULT.url
+    folder = tmp_path / "torch" / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.manual_seed(3)
+    reference = torchvision.models.resnet18().state_dict()
+    return folder / os.path.basename(url), reference
+
+
+def test_pretrained_torchvision_weights_need_the_weights_classes(torch_home, evaluate, tmp_path):
+    path, reference = torch_home
+    three = make_image_folder(tmp_path / "three", classes=3, per_class=2, splits=("val",))
+    with pytest.raises(UsageError, match="no local weights for resnet18 .*never downloads"):
+        evaluate("--pretrained", "-a", "resnet18", three, "-j", "0")
+    torch.save(reference, path)
+    with pytest.raises(UsageError, match=r"has 3 classes but the pretrained resnet18 weights have 1000"):
+        evaluate("--pretrained", "-a", "resnet18", three, "-j", "0")
+    with pytest.raises(UsageError, match="weights have 1000 classes, not --num-classes 3"):
+        evaluate("--pretrained", "-a", "resnet18", three, "--num-classes", "3")
+
+
+def test_pretrained_usage_errors(trained, evaluate):
+    with pytest.raises(UsageError, match="--pretrained and --resume both"):
+        evaluate("--pretrained", "-a", "resnet18", "--resume", trained[0] / "checkpoint.pth.tar")
+    with pytest.raises(UsageError, match="--pretrained needs -a ARCH"):
+        evaluate("--pretrained")
+    with pytest.raises(UsageError, match="unknown architecture 'resnet181'"):
+        evaluate("--pretrained", "-a", "resnet181")
+    with pytest.raises(UsageError, match="needs a checkpoint: --resume PATH .*or --pretrained -a ARCH"):
+        evaluate("-a", "resnet18")
+
+
+def test_pretrained_timm_weights_end_to_end_match_timms_own_pipeline(evaluate, tmp_path, monkeypatch):
+    """timm/test_resnet's ImageNet head (1000 classes) on a 1000-class val folder, from a copied
+    Hugging Face cache: eval.py uses the model's data config (160 px, crop 0.95, mean/std 0.5), and
+    each image's top-5 equals what timm's own eval transform and the same weights give."""
+    import timm
+    import timm.data
+    from huggingface_hub import constants
+    from PIL import Image
+    from test_models import fake_hf_cache
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    torch.manual_seed(4)
+    model = timm.create_model(TINY_TIMM).eval()
+    fake_hf_cache(tmp_path / "hub", "timm/" + TINY_TIMM, model.state_dict())
+    folder = make_image_folder(tmp_path / "imagenet", classes=1000, per_class=1, size=(36, 28), splits=("val",))
+    preds, record = tmp_path / "preds.csv", tmp_path / "r.json"
+    result = evaluate("--pretrained", "-a", "timm/test_resnet", folder, "-j", "0", "-b", "100",
+                      "--predictions", preds, "--results-file", record)
+    assert result.count == 1000
+    saved = json.loads(record.read_text())
+    assert (saved["checkpoint"], saved["epoch"], saved["image_size"]) == ("pretrained timm/test_resnet", None, 160)
+
+    rows = read_predictions(preds)
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    same = 0
+    with torch.no_grad():
+        for start in range(0, 1000, 250):
+            batch = torch.stack([transform(Image.open(row["path"]).convert("RGB")) for row in rows[start:start + 250]])
+            probs = torch.softmax(model(batch), 1)
+            for row, image_probs in zip(rows[start:start + 250], probs):
+                top = image_probs.topk(5)
+                same += [int(row[f"pred{r}"]) for r in range(1, 6)] == top.indices.tolist()
+                assert float(row["prob1"]) == pytest.approx(top.values[0].item(), abs=2e-3)
+    assert same >= 990, same  # a near-tie among 1000 random-weight logits may flip an order

@@ -70,7 +70,7 @@ def test_train_py_fp16_on_gpu(cache_dir, tmp_path, level):
 
 
 def test_deterministic_gpu_runs_repeat_and_resume_exactly(cache_dir, tmp_path):
-    common = ["--deterministic", "--opt-level", "O2", *QUICK]
+    common = ["--deterministic", "--opt-level", "O2", "--data-backend", "gpu", *QUICK]  # nvJPEG input
     runs = [run_script("train.py", "--epochs", "2", "--output-dir", tmp_path / str(i), *common) for i in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr
@@ -97,3 +97,42 @@ def test_bf16_levels_with_loss_scale_on_cuda(accelerator, level):
     step(model, precision, optimizer, accelerator)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert int(precision.skipped_steps()) == 1 and float(precision.loss_scale_value()) == 1.0
+
+
+@pytest.mark.parametrize("level, dtype_name", [("O1", "fp16"), ("O2", "bf16")])
+def test_sigterm_mid_epoch_then_resume_is_bit_exact_on_gpu(cache_dir, tmp_path, level, dtype_name):
+    """Preemption on the GPU: SIGTERM mid-epoch, --resume, and the final weights equal an
+    uninterrupted run's bit for bit (O1 fp16 carries its dynamic loss scale across the stop)."""
+    import signal
+
+    from test_preemption import DROPOUT_RUN, STOPPED, assert_same_weights, train_until
+
+    flags = [*DROPOUT_RUN, "--opt-level", level, "--mixed-precision", dtype_name, "--steps-per-epoch", "6",
+             "--epochs", "2"]
+    straight = run_script("train.py", *flags, "--output-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    rc, out, err = train_until(tmp_path / "stopped", r"Epoch: \[0\]\[2/6\]", signal.SIGTERM, *flags)
+    assert rc == 143 and "Traceback" not in err, err[-3000:]
+    _, path, epoch, step, _, _ = STOPPED.search(out).groups()
+    state = torch.load(path, weights_only=True)
+    assert (state["epoch"], state["step"]) == (0, int(step)) and state["opt_level"] == level
+    resumed = run_script("train.py", *flags, "--output-dir", tmp_path / "stopped", "--resume", path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(tmp_path / "stopped" / "checkpoint.pth.tar", tmp_path / "straight" / "checkpoint.pth.tar")
+    final = torch.load(tmp_path / "stopped" / "checkpoint.pth.tar", weights_only=True)
+    expected = torch.load(tmp_path / "straight" / "checkpoint.pth.tar", weights_only=True)
+    assert final["loss_scale"] == expected["loss_scale"]
+
+
+@pytest.mark.parametrize("level, dtype_name", [("O1", "fp16"), ("O2", "bf16")])
+def test_compiled_training_on_gpu(cache_dir, tmp_path, level, dtype_name):
+    """--compile at O1 fp16 and O2 bf16 on the gpu input backend: trains, validates, and saves
+    plain (uncompiled) checkpoint keys; the compile time is printed once."""
+    result = run_script("train.py", "--opt-level", level, "--mixed-precision", dtype_name, "--compile",
+                        "--epochs", "1", "--output-dir", tmp_path, *QUICK)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gpu backend" in result.stdout and "channels_last on" in result.stdout
+    assert result.stdout.count("torch.compile (inductor): first forward") == 1
+    assert len(FINAL.findall(result.stdout)) == 1
+    state = torch.load(tmp_path / "checkpoint.pth.tar", weights_only=True)["state_dict"]
+    assert not any("_orig_mod" in key for key in state)

@@ -120,7 +120,8 @@ def test_usage_errors_exit_2_with_one_line(usage_error, tmp_path):
 def test_bad_checkpoints_are_explained(usage_error, tmp_path):
     usage_error(["--resume", tmp_path / "missing.pth.tar"], "no checkpoint")
     truncated = tmp_path / "truncated.pth.tar"
-    save_checkpoint({"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.ones(1000)}}, False, tmp_path)
+    save_checkpoint({"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.ones(1000)},
+                     "optimizer": {"state": {}, "param_groups": []}}, False, tmp_path)
     data = (tmp_path / "checkpoint.pth.tar").read_bytes()
     truncated.write_bytes(data[: len(data) // 2])
     usage_error(["--resume", truncated], "truncated")
@@ -167,7 +168,7 @@ def test_apex_spellings_parse():
     assert parser.parse_args(["--channels-last", "False"]).channels_last is False
     assert parser.parse_args(["--channels-last", "True"]).channels_last is True
     assert parser.parse_args(["--channels-last"]).channels_last is True
-    assert parser.parse_args([]).channels_last is False
+    assert parser.parse_args([]).channels_last is None  # resolved per device (utils.setup.resolve_device_defaults)
     assert parser.parse_args(["--local-rank", "3"]).local_rank == 3
     assert parser.parse_args(["--local_rank", "1"]).local_rank == 1
     args = parser.parse_args(["--opt-level", "O2", "--keep-batchnorm-fp32", "False", "--loss-scale", "128.0",

@@ -15,18 +15,18 @@ import numpy as np
 import torch
 from torchvision import transforms
 
+from .crops import PilTrainCrop
 from .errors import UsageError
+from .preemption import ignore_stop_signals_in_worker
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def train_transform(image_size, min_scale, hflip, interpolation="bilinear"):
-    mode = transforms.InterpolationMode(interpolation)
-    steps = [transforms.RandomResizedCrop(image_size, scale=(min_scale, 1.0), interpolation=mode)]
-    if hflip > 0:
-        steps.append(transforms.RandomHorizontalFlip(hflip))
-    return transforms.Compose(steps)
+    """RandomResizedCrop + flip whose box and flip are drawn from (seed, epoch, index) by
+    utils/crops.py, the same boxes the gpu backend crops. SeededSamples calls it with that key."""
+    return PilTrainCrop(image_size, min_scale, hflip, interpolation)
 
 
 def val_transform(image_size, crop_pct, interpolation="bilinear"):
@@ -36,11 +36,14 @@ def val_transform(image_size, crop_pct, interpolation="bilinear"):
 
 
 class SeededSamples(torch.utils.data.Dataset):
-    """Seeds the augmentation RNG from (seed, epoch, index) before each sample is transformed."""
+    """Applies the dataset's keyed train crop (train_transform) with the sample's (seed, epoch,
+    index), after seeding torch's RNG from the same key for any further random transform."""
 
     def __init__(self, dataset, seed):
         self.dataset = dataset
         self.seed = seed
+        self.crop = dataset.transform  # a PilTrainCrop: it needs the key, so the dataset must not call it
+        dataset.transform = None
 
     def __len__(self):
         return len(self.dataset)
@@ -48,7 +51,8 @@ class SeededSamples(torch.utils.data.Dataset):
     def __getitem__(self, key):
         index, epoch = key
         torch.manual_seed(((self.seed * 1_000_003 + epoch) * 10_000_019 + index) % (2 ** 63))
-        return self.dataset[index]
+        image, label = self.dataset[index]
+        return self.crop(image, self.seed, epoch, index), label
 
 
 class ShardedEpochSampler(torch.utils.data.Sampler):
@@ -57,19 +61,26 @@ class ShardedEpochSampler(torch.utils.data.Sampler):
     The permutation comes from (seed, epoch); it is cut to a whole number of global batches
     (drop_last, as for training) and rank r takes every world-th sample. Yields (index, epoch)
     so SeededSamples can seed the augmentation in whichever worker process serves it.
+    set_epoch(epoch, first_step) starts the pass at that step (a resumed mid-epoch checkpoint):
+    rank r's samples of global step s are positions [s x global batch, (s+1) x global batch) of
+    the permutation whatever the process count, so skipping first_step x batch_size of them
+    continues the same pass. len() stays the whole epoch's.
     """
 
     def __init__(self, size, batch_size, rank, world, seed):
         self.size, self.rank, self.world, self.seed = size, rank, world, seed
         self.global_batch = batch_size * world
+        self.batch_size = batch_size
         self.epoch = 0
+        self.skip = 0
         if size < self.global_batch:
             raise UsageError(f"the train split has {size} images, fewer than one global batch of "
                              f"{self.global_batch} ({batch_size} per process x {world}); lower "
                              "--batch-size")
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, first_step=0):
         self.epoch = epoch
+        self.skip = first_step * self.batch_size
 
     def __len__(self):
         return (self.size // self.global_batch) * self.global_batch // self.world
@@ -78,7 +89,7 @@ class ShardedEpochSampler(torch.utils.data.Sampler):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.size, generator=generator)
         usable = (self.size // self.global_batch) * self.global_batch
-        for index in order[:usable][self.rank::self.world].tolist():
+        for index in order[:usable][self.rank::self.world][self.skip:].tolist():
             yield index, self.epoch
 
 
@@ -143,17 +154,18 @@ class Data:
     train_sampler: object = None
     classes: list = None   # class names in label order, where the source has them (eval.py checks them)
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, first_step=0):
         if self.train_sampler is not None:
-            self.train_sampler.set_epoch(epoch)
+            self.train_sampler.set_epoch(epoch, first_step)
 
 
-def _loader(dataset, sampler, args, device):
+def _loader(dataset, sampler, args, device, collate_fn=fast_collate, pin_memory=True):
     workers = args.workers
     return torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
-        collate_fn=fast_collate, pin_memory=device.type == "cuda", drop_last=False,
-        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
+        collate_fn=collate_fn, pin_memory=pin_memory and device.type == "cuda", drop_last=False,
+        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+        worker_init_fn=ignore_stop_signals_in_worker if workers > 0 else None)  # the main process stops
 
 
 def sharded_data(train_set, val_set, num_classes, args, accelerator, mean, std):
@@ -165,11 +177,38 @@ def sharded_data(train_set, val_set, num_classes, args, accelerator, mean, std):
     """
     device = accelerator.device
     rank, world = accelerator.process_index, accelerator.num_processes
-    val_loader = _loader(val_set, list(range(rank, len(val_set), world)), args, device)
-    val = DevicePrefetcher(val_loader, device, mean, std, args.channels_last)
-    train_loader, sampler = None, None
+    val_indices = list(range(rank, len(val_set), world))
+    sampler = None
     if train_set is not None:
         sampler = ShardedEpochSampler(len(train_set), args.batch_size, rank, world, args.seed)
-        train_loader = DevicePrefetcher(_loader(SeededSamples(train_set, args.seed), sampler, args, device),
-                                        device, mean, std, args.channels_last)
-    return Data(train_loader, val, num_classes, len(val_set), sampler, getattr(val_set, "classes", None))
+    if getattr(args, "data_backend", "cpu") == "gpu":
+        train, val = gpu_backend(train_set, val_set, sampler, val_indices, args, device, mean, std)
+    else:
+        val = DevicePrefetcher(_loader(val_set, val_indices, args, device), device, mean, std, args.channels_last)
+        train = None
+        if train_set is not None:
+            train = DevicePrefetcher(_loader(SeededSamples(train_set, args.seed), sampler, args, device),
+                                     device, mean, std, args.channels_last)
+    return Data(train, val, num_classes, len(val_set), sampler, getattr(val_set, "classes", None))
+
+
+def gpu_backend(train_set, val_set, sampler, val_indices, args, device, mean, std):
+    """--data-backend gpu over ImageFolder-style datasets (a .samples list of (path, label)):
+    workers read bytes and draw the same boxes as the cpu backend; the main process decodes
+    (utils/gpu_batches.py). The same sampler and val split, so sharding is unchanged."""
+    from .crops import CenterBoxes, TrainBoxes
+    from .gpu_batches import ByteSamples, GpuBatchDecoder, GpuBatches, pack_bytes
+
+    def batches(dataset, boxes, order, train):
+        samples = ByteSamples(dataset.samples, boxes)
+        decoder = GpuBatchDecoder(device, args.image_size, mean, std, args.channels_last,
+                                  name_of=samples.name, interpolation=args.interpolation, train=train)
+        # No pinning: nvJPEG reads the bytes from host memory itself; pinning would only copy them.
+        loader = _loader(samples, order, args, device, collate_fn=pack_bytes, pin_memory=False)
+        return GpuBatches(loader, decoder)
+
+    val = batches(val_set, CenterBoxes(args.image_size, args.crop_pct), val_indices, train=False)
+    train = None
+    if train_set is not None:
+        train = batches(train_set, TrainBoxes(args.seed, args.min_scale, args.hflip), sampler, train=True)
+    return train, val

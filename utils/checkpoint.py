@@ -25,8 +25,12 @@ def save_checkpoint(state, is_best, output_dir):
     return written
 
 
-def load_checkpoint(path):
-    """Load a checkpoint on the CPU with weights_only=True; UsageError if it is not one of ours."""
+def load_checkpoint(path, training=False):
+    """Load a checkpoint on the CPU with weights_only=True; UsageError if it is not one of ours.
+
+    Every entry train.py writes is checked for its type (a foreign or damaged file fails here,
+    naming the entry, rather than with a traceback later); training=True (--resume of a training
+    run) also requires the optimizer state."""
     if not os.path.isfile(path):
         raise UsageError(f"no checkpoint at {path!r}; give the path of a checkpoint.pth.tar or "
                          "model_best.pth.tar written by train.py")
@@ -38,7 +42,73 @@ def load_checkpoint(path):
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         raise UsageError(f"{path!r} is not a train.py checkpoint (it lacks the keys "
                          f"{', '.join(REQUIRED_KEYS)})")
+    for key in REQUIRED_KEYS + (TRAINING_KEYS if training else ()):
+        if key not in state:
+            raise UsageError(f"checkpoint {path!r} has no {key!r} entry, which resuming training needs "
+                             f"({EXPECTED[key]}); it was not written by train.py, or only holds weights: "
+                             "use it with eval.py, or train from scratch")
+    for key, expected in EXPECTED.items():
+        if key in state and not _fits(key, state[key]):
+            raise UsageError(f"checkpoint {path!r} is damaged or foreign: {key!r} should be {expected}, "
+                             f"found {_describe(state[key])}")
     return state
+
+
+# What each entry of a checkpoint must hold; load_checkpoint names the first that does not.
+EXPECTED = {
+    "epoch": "an integer >= 0 (the next epoch to run)",
+    "arch": "a model name (text)",
+    "state_dict": "a dict of parameter names to tensors",
+    "optimizer": "an optimizer state dict (a dict with 'state' and 'param_groups')",
+    "loss_scale": "a loss-scale state dict or None",
+    "best_prec1": "a number",
+    "opt_level": "O0, O1, O2, O3 or None",
+    "mixed_precision": "'no', 'fp16', 'bf16' or None",
+    "num_classes": "a positive integer or None",
+    "classes": "a list of class names or None",
+    "args": "a dict of the run's flags",
+    "world_size": "a positive integer (processes that trained it)",
+}
+TRAINING_KEYS = ("optimizer",)  # --resume of a training run needs these on top of REQUIRED_KEYS
+
+
+def _fits(key, value):
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if key == "epoch":
+        return is_int and value >= 0
+    if key == "arch":
+        return isinstance(value, str) and bool(value)
+    if key == "state_dict":
+        return (isinstance(value, dict) and bool(value) and all(isinstance(k, str) for k in value)
+                and all(torch.is_tensor(v) for v in value.values()))
+    if key == "optimizer":
+        return (isinstance(value, dict) and isinstance(value.get("state"), dict)
+                and isinstance(value.get("param_groups"), list))
+    if key == "loss_scale":
+        return value is None or isinstance(value, dict)
+    if key == "best_prec1":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key == "opt_level":
+        return value is None or value in ("O0", "O1", "O2", "O3")
+    if key == "mixed_precision":
+        return value is None or value in ("no", "fp16", "bf16")
+    if key == "num_classes":
+        return value is None or (is_int and value > 0)
+    if key == "classes":
+        return value is None or (isinstance(value, (list, tuple)) and all(isinstance(c, str) for c in value))
+    if key == "args":
+        return isinstance(value, dict)
+    if key == "world_size":
+        return is_int and value > 0
+    return True
+
+
+def _describe(value):
+    if isinstance(value, dict):
+        kinds = sorted({type(v).__name__ for v in value.values()})
+        return f"a dict of {len(value)} entries ({', '.join(kinds) or 'empty'})"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
 def strip_module_prefix(state_dict):

@@ -125,6 +125,54 @@ def non_negative_int(text):
     return value
 
 
+def finite_float(text, what="a finite number"):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_float(text):
+    """--lr: a finite number > 0 (nan, inf, 0 and negatives make no training run)."""
+    value = finite_float(text, "a finite number > 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text):
+    """--wd: a finite number >= 0 (negative weight decay pushes weights away from zero)."""
+    value = finite_float(text, "a finite number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def momentum_type(text):
+    """--momentum: SGD momentum in [0, 1); 1 or more never forgets a gradient and diverges."""
+    value = finite_float(text, "a number in [0, 1)")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"SGD momentum must be in [0, 1) (0.9 is usual), got {text!r}")
+    return value
+
+
+SEED_MAX = 2 ** 32 - 1  # what numpy's and every other seeder accept; torch takes more, but the
+                        # sampler's seed x 1_000_003 arithmetic (utils/batches.py) stays in 64 bits
+
+
+def seed_type(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in 0..{SEED_MAX}, got {text!r}")
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in 0..{SEED_MAX}, got {text!r}")
+    return value
+
+
 def add_data_args(parser, training=True):
     """DATA and how its images become batches; training=False leaves out the training-only flags."""
     group = parser.add_argument_group("data")
@@ -134,6 +182,11 @@ def add_data_args(parser, training=True):
                             "cache, never downloaded) or hf:DIR (DIR loaded by datasets.load_dataset, "
                             "e.g. an imagefolder); 'digits' (built-in demo, the default when DATA is "
                             "left out) or 'synthetic' (random tensors made on the device, for speed tests)")
+    group.add_argument("--data-backend", choices=("auto", "cpu", "gpu"), default="auto",
+                       help="cpu: PIL decodes and crops in the loader workers; gpu: workers only read "
+                            "file bytes, nvJPEG decodes whole batches and crops/resizes run on the GPU "
+                            "(ImageFolder data on CUDA only); auto: gpu for ImageFolder data on CUDA, "
+                            "else cpu (default: auto)")
     group.add_argument("-j", "--workers", type=non_negative_int, default=None, metavar="N",
                        help="data loading worker processes per process (default: 4; 2 for digits; "
                             "never more than the CPU cores available)")
@@ -201,10 +254,16 @@ def add_precision_args(parser, training=True):
                        help="half dtype; overrides the Accelerate config / accelerate launch "
                             "--mixed_precision (default: from Accelerate, else fp16 when an opt level "
                             "above O0 is given, else no)")
-    group.add_argument("--channels-last", type=str2bool, nargs="?", const=True, default=False,
+    group.add_argument("--channels-last", type=str2bool, nargs="?", const=True, default=None,
                        metavar="True|False",
                        help="channels_last memory format for model and inputs; '--channels-last' "
-                            "alone means True (default: False)")
+                            "alone means True (default: True on CUDA for models with 2-D "
+                            "convolutions, else False)")
+    group.add_argument("--compile", type=str2bool, nargs="?", const=True, default=False,
+                       metavar="True|False",
+                       help="torch.compile the model (inductor; compiled once per input shape, the "
+                            "compile time is printed once); also turned on by Accelerate's "
+                            "dynamo_backend setting (default: False)")
     return group
 
 
@@ -227,12 +286,13 @@ def add_run_args(parser, training=True):
         return group
     group.add_argument("--resume", default="", metavar="PATH",
                        help="checkpoint to resume from (default: none)")
-    group.add_argument("--seed", type=int, default=0,
-                       help="seed for weights, shuffling and augmentation (default: 0)")
+    group.add_argument("--seed", type=seed_type, default=0,
+                       help=f"seed for weights, shuffling and augmentation, 0..{SEED_MAX} (default: 0)")
     group.add_argument("--sync_bn", "--sync-bn", dest="sync_bn", action="store_true",
                        help="SyncBatchNorm across processes (several CUDA processes only)")
     group.add_argument("--output-dir", default=".", metavar="DIR",
-                       help="where checkpoints and logs go (default: the working directory)")
+                       help="where checkpoints and logs go; created if missing (default: the working "
+                            "directory)")
     return group
 
 
@@ -251,7 +311,7 @@ def add_training_args(parser):
                        help="total epochs (default: 90; 12 for digits)")
     group.add_argument("--start-epoch", type=non_negative_int, default=0, metavar="N",
                        help="epoch to start at; --resume sets it from the checkpoint (default: 0)")
-    group.add_argument("--lr", type=float, default=0.1, metavar="LR",
+    group.add_argument("--lr", type=positive_float, default=0.1, metavar="LR",
                        help="learning rate for a global batch of 256; scaled by global batch/256 "
                             "(default: 0.1)")
     group.add_argument("--lr-schedule", choices=("step", "cosine"), default="step",
@@ -263,9 +323,14 @@ def add_training_args(parser):
     group.add_argument("--warmup-epochs", type=non_negative_int, default=None, metavar="N",
                        help="linear LR warmup epochs (default: 5, 1 for digits; either at most "
                             "--epochs // 4, so short runs spend most epochs at full LR)")
-    group.add_argument("--momentum", type=float, default=0.9, metavar="M", help="SGD momentum (default: 0.9)")
-    group.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4,
-                       metavar="W", help="weight decay (default: 1e-4)")
+    group.add_argument("--momentum", type=momentum_type, default=0.9, metavar="M",
+                       help="SGD momentum, in [0, 1) (default: 0.9)")
+    group.add_argument("--wd", "--weight-decay", dest="weight_decay", type=non_negative_float, default=1e-4,
+                       metavar="W", help="weight decay, >= 0 (default: 1e-4)")
+    group.add_argument("--max-nonfinite-steps", type=positive_int, default=100, metavar="N",
+                       help="stop the run (exit code 3) after N steps in a row whose loss or gradients "
+                            "held inf/NaN; such steps are skipped and counted at every level; a dynamic "
+                            "loss scale below 2**-14 stops it too (default: 100)")
     group.add_argument("-e", "--evaluate", action="store_true",
                        help="only evaluate the model on the val split, then exit")
 
@@ -278,6 +343,11 @@ def add_log_args(parser):
                             "Biases (set WANDB_MODE=offline to run without network), or both; "
                             "args.yaml, summary.csv and curves.png are always written; -e writes "
                             "none of these (default: none)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace the run files in --output-dir: a new run into a directory that "
+                            "already holds a run's checkpoint.pth.tar, model_best.pth.tar, summary.csv, "
+                            "args.yaml or curves.png removes them at start-up (default: such a run is "
+                            "refused, with the --resume command that continues the old run)")
     return parser
 
 
@@ -293,8 +363,20 @@ def build_training_parser(description, prog=None):
     return parser
 
 
+def add_checkpoint_args(parser):
+    """train.py's checkpoint cadence (profile.py writes no checkpoints)."""
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument("--save-every-steps", type=non_negative_int, default=0, metavar="N",
+                       help="also write checkpoint.pth.tar every N training steps (counted across epochs), "
+                            "with the position inside the epoch, so --resume continues from that step; "
+                            "0 means only at the end of each epoch (default: 0). SIGTERM/SIGINT always "
+                            "write one before the run stops")
+    return group
+
+
 def build_parser(description, prog=None):
     """train.py's parser (less its --log-with): the training flags and the optional --prof."""
     parser = build_training_parser(description, prog)
+    add_checkpoint_args(parser)
     add_prof_args(parser)
     return parser

@@ -4,9 +4,12 @@
 build_data picks the source from DATA (utils.cli.source_kind) and returns a utils.batches.Data.
 """
 import os
+import stat
+import sys
 
 import torch
 from torchvision import datasets as tv_datasets
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .batches import IMAGENET_MEAN, IMAGENET_STD, Data, sharded_data, train_transform, val_transform
 from .cli import source_kind
@@ -31,8 +34,106 @@ def check_image_folder(path, splits=("train", "val")):
                              "and DATA/val/<class>/*.jpg")
 
 
+SHOWN_SKIPS = 10  # paths a skip warning names; the count covers the rest
+
+
+def scan_class_folders(directory, class_to_idx, extensions=IMG_EXTENSIONS):
+    """ImageFolder's (path, class index) samples, in torchvision's order, from folders as found on
+    real disks; returns (samples, skipped) with skipped a list of (path, reason).
+
+    torchvision's make_dataset walks with os.walk(followlinks=True): a link back up the tree makes
+    it walk in circles (each image counted once per lap until paths grow too long), a file reached
+    twice through links counts twice, and a FIFO named x.jpg is kept and blocks the worker that
+    opens it forever. Here links to folders are still followed, but every real folder is walked
+    once and every real file (device, inode) counted once; only regular files are kept (stat does
+    not open a FIFO); and everything left out is named rather than silently dropped.
+    """
+    skipped = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if not entry.is_dir():  # ImageFolder takes class folders only
+            skipped.append((entry.path, "not a class folder"))
+    def identity(path):
+        info = os.stat(path)
+        return info.st_dev, info.st_ino
+
+    # The split folder and every class folder belong to themselves: a link from one class into
+    # the split or another class (a loop up the tree, or another class's images) is not followed.
+    reserved = {identity(directory)} | {identity(os.path.join(directory, name)) for name in class_to_idx}
+    walked_dirs, first_path = set(), {}
+    samples = []
+    for target_class in sorted(class_to_idx):
+        files_by_root = {}
+        class_root = os.path.join(directory, target_class)
+        stack = [class_root]
+        while stack:
+            folder = stack.pop()
+            try:
+                key = identity(folder)
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError as err:
+                skipped.append((folder, f"cannot list it: {err.strerror}"))
+                continue
+            if key in walked_dirs or (key in reserved and folder != class_root):
+                skipped.append((folder, "a link to a folder already walked"))
+                continue
+            walked_dirs.add(key)
+            names = files_by_root.setdefault(folder, [])
+            for entry in reversed(entries):  # the stack pops them in name order
+                try:
+                    is_dir = entry.is_dir()  # follows links, as torchvision does
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    stack.append(entry.path)
+                else:
+                    names.append(entry.name)
+        # torchvision's order: folders sorted by path, files by name within each
+        for root in sorted(files_by_root):
+            for name in sorted(files_by_root[root]):
+                path = os.path.join(root, name)
+                if not name.lower().endswith(tuple(extensions)):
+                    skipped.append((path, "not an image file name"))
+                    continue
+                try:
+                    info = os.stat(path)
+                except OSError as err:
+                    skipped.append((path, f"a broken link ({err.strerror})"
+                                    if os.path.islink(path) else err.strerror))
+                    continue
+                if not stat.S_ISREG(info.st_mode):
+                    skipped.append((path, "not a regular file (a FIFO, socket or device)"))
+                    continue
+                key = (info.st_dev, info.st_ino)
+                if key in first_path:
+                    skipped.append((path, f"the same file as {first_path[key]}"))
+                    continue
+                first_path[key] = path
+                samples.append((path, class_to_idx[target_class]))
+    found = {index for _, index in samples}
+    empty = [name for name in sorted(class_to_idx) if class_to_idx[name] not in found]
+    if empty:
+        shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise FileNotFoundError(f"no images in the class folder(s) {shown}; images end in "
+                                f"{', '.join(extensions)}")
+    return samples, skipped
+
+
+def skipped_message(where, skipped, limit=SHOWN_SKIPS):
+    """One warning naming what a scan left out: up to limit paths with their reason, and the count."""
+    shown = "; ".join(f"{path} ({reason})" for path, reason in skipped[:limit])
+    more = f"; and {len(skipped) - limit} more" if len(skipped) > limit else ""
+    return f"{where}: skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'}: {shown}{more}"
+
+
 class SafeImageFolder(tv_datasets.ImageFolder):
-    """ImageFolder whose unreadable images fail with the file's name and the fix."""
+    """ImageFolder whose unreadable images fail with the file's name and the fix, and whose
+    folder walk survives link loops, duplicate links and FIFOs (scan_class_folders)."""
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        # An instance method in place of torchvision's staticmethod: DatasetFolder.__init__ calls
+        # it through self, and the skipped entries are kept for build_data's warning.
+        samples, self.skipped = scan_class_folders(directory, class_to_idx, extensions or IMG_EXTENSIONS)
+        return samples
 
     def __getitem__(self, index):
         path = self.samples[index][0]
@@ -106,6 +207,10 @@ def build_data(args, accelerator, mean=None, std=None, train=True):
     if train:
         train_set = image_folder(root, "train", train_transform(args.image_size, args.min_scale, args.hflip,
                                                                 args.interpolation))
+    for dataset in (train_set, val_set):
+        if dataset is not None and dataset.skipped and accelerator.is_main_process:
+            print(f"warning: {skipped_message(dataset.root, dataset.skipped)}", file=sys.stderr, flush=True)
+    if train:
         if train_set.classes != val_set.classes:
             raise UsageError(f"train/ and val/ in {root!r} hold different class folders "
                              f"({len(train_set.classes)} vs {len(val_set.classes)}); they must match")

@@ -1,7 +1,12 @@
 """Train and validate loops, the LR schedule, metrics and Apex-format log lines.
 
 Metrics accumulate on the device; they are reduced across processes and copied to the host
-only at print-freq (and at the end of an epoch), so the hot path never waits for the GPU.
+only at print-freq (and at the end of an epoch), so the hot path never waits for the GPU. The
+same reads carry the two reasons a run stops early: a stop signal (utils/preemption.py; every
+process stops at the same step) and divergence (Precision.divergence: non-finite steps in a row).
+A run can start inside an epoch (a resumed mid-epoch checkpoint): the sampler starts at that
+step of the same shuffle, the LR schedule at that step, and the seed of dropout & co. is a pure
+function of (seed, epoch, step, rank), so nothing about the RNG needs saving.
 """
 import math
 import time
@@ -9,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .compiled import eval_module
 from .logs import NoProgress
+from .precision import MAX_NONFINITE_STEPS
+from .preemption import NoStop
 from .profiling import NoPhases
 
 
@@ -38,8 +46,9 @@ class DeviceMeter:
     def __init__(self, device, num_classes):
         self.device = device
         self.topk = min(5, num_classes)
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
-        self.total = [0.0, 0.0, 0.0, 0.0]  # what has been read so far (all processes)
+        # loss x n, top-1 hits, top-5 hits, n; the 5th slot counts processes asked to stop
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+        self.total = [0.0, 0.0, 0.0, 0.0, 0.0]  # what has been read so far (all processes)
 
     @torch.no_grad()
     def update(self, loss, output, target):
@@ -51,8 +60,13 @@ class DeviceMeter:
         self.sums[2] += hits.sum()
         self.sums[3] += n
 
-    def read(self, accelerator=None):
-        """Averages since the last read and over everything read; syncs (and reduces if given)."""
+    def read(self, accelerator=None, stop_requested=False):
+        """Averages since the last read and over everything read; syncs (and reduces if given).
+
+        stop_requested rides along in the same all-reduce (no collective of its own): the
+        interval's "stop" is the number of processes that were asked to stop."""
+        if stop_requested:
+            self.sums[4] = 1.0
         sums = accelerator.reduce(self.sums, reduction="sum") if accelerator is not None else self.sums
         values = sums.tolist()
         self.sums.zero_()
@@ -63,7 +77,7 @@ class DeviceMeter:
 def averages(sums):
     count = max(sums[3], 1.0)
     return {"loss": sums[0] / count, "top1": 100.0 * sums[1] / count, "top5": 100.0 * sums[2] / count,
-            "count": int(sums[3])}
+            "count": int(sums[3]), "stop": int(sums[4]) if len(sums) > 4 else 0}
 
 
 @dataclass
@@ -76,44 +90,71 @@ class EpochResult:
     images_per_sec: float
     skipped_steps: int = 0
     loss_scale: float = None
+    next_step: int = None    # where training stopped early (a stop signal): the next step to run
+    diverged: str = None     # why training stopped for non-finite numbers (Precision.divergence)
+    step: int = None         # the last step run (1-based, as the log lines), for messages
+    lr: float = None         # the LR of that step
+
+    @property
+    def stopped(self):
+        return self.next_step is not None
 
 
 def _scale_fields(precision):
-    skipped = precision.skipped_steps()
+    """The log line's tail: skipped steps at every level, and the loss scale where there is one."""
+    skipped = int(precision.skipped_steps())
     scale = precision.loss_scale_value()
-    if skipped is None:
-        return "", 0, None
-    skipped, scale = int(skipped), float(scale)
+    if scale is None:
+        return f"\tSkipped {skipped}", skipped, None
+    scale = float(scale)
     return f"\tSkipped {skipped}\tScale {scale:g}", skipped, scale
 
 
+def steps_per_epoch(data, args):
+    steps = len(data.train)
+    return min(steps, args.steps_per_epoch) if args.steps_per_epoch else steps
+
+
 def training_epochs(args, data, accelerator):
-    """The epochs left to run (from args.start_epoch), each with the sampler's epoch and the seed
-    of dropout etc. set from the epoch alone: what lets a resumed run repeat an uninterrupted one."""
+    """(epoch, first step) for the epochs left to run: from args.start_epoch, the first of them
+    from args.start_step (a mid-epoch checkpoint), with the sampler set to that position."""
     for epoch in range(args.start_epoch, args.epochs):
-        data.set_epoch(epoch)
-        torch.manual_seed(args.seed * 1000 + epoch * 7 + accelerator.process_index)
-        yield epoch
+        first_step = getattr(args, "start_step", 0) if epoch == args.start_epoch else 0
+        data.set_epoch(epoch, first_step)
+        yield epoch, first_step
+
+
+def step_seed(seed, epoch, step, rank):
+    """The global RNG's seed for one step (dropout, drop-path, ...): a pure function of where the
+    step is, so a run resumed mid-epoch draws what an uninterrupted run drew, with nothing saved."""
+    return ((((seed * 1_000_003 + epoch) * 1_000_033 + step) * 1_009 + rank) * 7919) % (2 ** 63)
 
 
 def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
-                    phases=NoPhases(), log=print, progress=NoProgress()):
+                    phases=NoPhases(), log=print, progress=NoProgress(), first_step=0, stop=NoStop(),
+                    on_step=None):
+    """Train one epoch from first_step. Stops early, at a step every process agrees on, when
+    stop.requested (returns next_step) or when the run diverged (returns diverged). on_step(epoch,
+    next_step) runs after each step (train.py's --save-every-steps)."""
     model.train()
-    steps = len(data.train)
-    if args.steps_per_epoch:
-        steps = min(steps, args.steps_per_epoch)
+    steps = steps_per_epoch(data, args)
     world = accelerator.num_processes
     global_batch = args.batch_size * world
+    max_nonfinite = getattr(args, "max_nonfinite_steps", None) or MAX_NONFINITE_STEPS
     meter = DeviceMeter(accelerator.device, data.num_classes)
     epoch_start = interval_start = time.perf_counter()
     interval_steps, time_avg_sum, time_avg_n = 0, 0.0, 0
+    next_step, diverged, lr = None, None, None
     batches = iter(data.train)
-    progress.begin(steps * global_batch, f"Epoch {epoch}")  # a bar on a terminal (utils/logs.py)
-    for step in range(steps):
+    progress.begin((steps - first_step) * global_batch, f"Epoch {epoch}")  # a bar on a terminal
+    step = first_step - 1
+    for step in range(first_step, steps):
         phases.begin_step(step)
         with phases.range("prefetcher.next()"):  # Apex's NVTX range names, kept for nsys users
             images, target = next(batches)
-        set_learning_rate(optimizer, learning_rate(args, epoch, step, steps, global_batch))
+        torch.manual_seed(step_seed(args.seed, epoch, step, accelerator.process_index))
+        lr = learning_rate(args, epoch, step, steps, global_batch)
+        set_learning_rate(optimizer, lr)
         with phases.range("forward"):
             with precision.autocast():
                 output = model(images)
@@ -127,8 +168,9 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
         progress.advance(global_batch)
         interval_steps += 1
         last = step + 1 == steps
-        if (step + 1) % args.print_freq == 0 or last:
-            interval, total = meter.read(accelerator)
+        stopping = world == 1 and stop.requested  # one process: a host bool, checked every step
+        if (step + 1) % args.print_freq == 0 or last or stopping:
+            interval, total = meter.read(accelerator, stop.requested)
             now = time.perf_counter()
             step_time = (now - interval_start) / interval_steps
             time_avg_sum += now - interval_start
@@ -142,6 +184,16 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
                 f"Prec@1 {interval['top1']:.3f} ({total['top1']:.3f})\t"
                 f"Prec@5 {interval['top5']:.3f} ({total['top5']:.3f})" + scale_text)
             interval_start, interval_steps = now, 0
+            # Both verdicts are the same on every process (one all-reduce; counters of all-reduced
+            # grads), so every process leaves the loop at this same step.
+            diverged = precision.divergence(max_nonfinite)
+            if diverged:
+                break
+            if interval["stop"]:
+                next_step = step + 1
+                break
+        if on_step is not None and not last:  # the epoch's own checkpoint follows its last step
+            on_step(epoch, step + 1)
         if phases.end_step(step):
             break
     progress.end()
@@ -149,7 +201,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
     _, total = meter.read(accelerator)
     _, skipped, scale = _scale_fields(precision)
     return EpochResult(total["loss"], total["top1"], total["top5"], total["count"], seconds,
-                       total["count"] / max(seconds, 1e-9), skipped, scale)
+                       total["count"] / max(seconds, 1e-9), skipped, scale, next_step, diverged, step + 1, lr)
 
 
 def share_buffers_from_main(model, accelerator):
@@ -174,7 +226,7 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
     or less than each other. Progress lines show this process's running figures; the final line
     is reduced over all processes.
     """
-    model = accelerator.unwrap_model(model)
+    model = eval_module(model)  # no DDP wrapper; compiled on its own if training is
     share_buffers_from_main(model, accelerator)
     model.eval()
     meter = DeviceMeter(accelerator.device, data.num_classes)
@@ -199,3 +251,12 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
     log(f" * Prec@1 {total['top1']:.3f} Prec@5 {total['top5']:.3f}")
     return EpochResult(total["loss"], total["top1"], total["top5"], total["count"], seconds,
                        total["count"] / max(seconds, 1e-9))
+
+
+def diverged_message(reason, epoch, step, steps, lr, last_good):
+    """Diverged's one line: where, at what LR, why, and what is left to resume from."""
+    saved = (f"the last good checkpoint is {last_good}" if last_good else
+             "no checkpoint was written yet")
+    lr_text = f"lr {lr:g}" if lr is not None else "lr unknown"
+    return (f"training diverged at epoch {epoch}, step {step}/{steps} ({lr_text}): {reason}; {saved} "
+            "(it was left as it was); resume from it with a lower --lr (or, at fp16, try bf16 or O0)")

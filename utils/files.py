@@ -2,12 +2,16 @@
 
 Every file the project writes (checkpoints, logs, CSVs, the digits cache) goes through here:
 write to a temp file in the destination's folder, optionally fsync, then rename it over the
-destination. A failure at any point removes the temp file and leaves the old file untouched.
+destination. A failure at any point removes the temp file and leaves the old file untouched;
+a failed write (full disk, quota, file too large, I/O error) becomes a utils.errors.WriteError
+naming the file, which the scripts turn into one line and exit code 4.
 """
 import contextlib
 import os
 import shutil
 import tempfile
+
+from .errors import WriteError
 
 TEMP_PREFIX = ".tmp-"  # temp files and folders start with this; a killed writer leaves only these
 
@@ -40,11 +44,26 @@ def atomic_write(path, content, fsync=False):
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         _publish(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        cause = _os_error(err)
+        if cause is not None and not isinstance(err, WriteError):
+            raise WriteError(path, cause) from err  # a full disk etc.: exit 4 with one clear line
         raise
     return path
+
+
+def _os_error(err):
+    """The OSError behind a failed write: err itself, or the one torch.save's RuntimeError
+    ('unexpected pos ...') hides in its context when the handle's write raised ENOSPC/EFBIG."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def copy_atomic(source, path, fsync=False):

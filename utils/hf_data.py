@@ -211,7 +211,7 @@ class HFImages(torch.utils.data.Dataset):
         except (OSError, ValueError, SyntaxError) as err:
             raise UsageError(f"cannot read image {index} of {self.where} ({first_line(err)}); fix or "
                              "drop that row") from None
-        return self.transform(image), row[self.label_column]
+        return (image if self.transform is None else self.transform(image)), row[self.label_column]
 
 
 def build_hf_data(args, accelerator, mean, std, train=True):

@@ -177,3 +177,11 @@ def model_data_config(arch):
     return {"image_size": int(config["input_size"][-2]), "crop_pct": float(config["crop_pct"]),
             "interpolation": config["interpolation"], "mean": [float(m) for m in config["mean"]],
             "std": [float(s) for s in config["std"]]}
+
+
+def has_2d_convolutions(arch):
+    """Whether the model holds nn.Conv2d layers (channels_last pays for those), found by building
+    it on the meta device: no memory, no weights, a fraction of a second."""
+    with torch.device("meta"):
+        model = build_model(arch, num_classes=10)
+    return any(isinstance(module, nn.Conv2d) for module in model.modules())

@@ -4,9 +4,11 @@ Accelerate decides *which* half dtype (fp16 or bf16, from the launch config, the
 --mixed-precision); the recipe decides *how* it is used: autocast (O1), a half model with fp32
 BatchNorm and fp32 master weights (O2), or a pure half model (O3), and how the loss is scaled.
 
-Loss scaling never syncs with the host: the overflow check, the skip of an overflowed step (the
-fused SGD kernel reads the found-inf flag on the device), the scale update and the skip counter
-all stay on the device, so metrics are read only where the log prints them.
+Non-finite steps never sync with the host: the inf/NaN check of the grads (unscaling them where
+there is a loss scale, a plain check at O0 and bf16 where there is none), the skip of such a step
+(the fused SGD kernel reads the found-inf flag on the device), the scale update and the counters
+of skipped steps and of non-finite steps in a row all stay on the device; the training loop reads
+them where it prints (Precision.divergence), so a run that keeps diverging stops there.
 """
 import contextlib
 import os
@@ -21,6 +23,11 @@ HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DYNAMIC_INIT_SCALE = 2.0 ** 16
 DYNAMIC_GROWTH_INTERVAL = 2000
 DYNAMIC_MAX_SCALE = 2.0 ** 24
+# A dynamic scale below this means the gradients overflow fp16 even divided by 2**14 (the scale
+# halved 30 times in a row from 2**16): the run has diverged, no scale will rescue it.
+DYNAMIC_MIN_SCALE = 2.0 ** -14
+# Default of --max-nonfinite-steps: skipped steps in a row (inf/NaN loss or grads) before a run stops.
+MAX_NONFINITE_STEPS = 100
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,7 @@ class LossScaler:
         self.scale = torch.full((), init, dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=device)
+        self.streak = torch.zeros((), dtype=torch.float32, device=device)  # non-finite steps in a row
         self.growth_interval = DYNAMIC_GROWTH_INTERVAL
 
     def scale_loss(self, loss):
@@ -206,7 +214,7 @@ class LossScaler:
         return found_inf
 
     def update(self, found_inf):
-        self.skipped.add_(found_inf)
+        count_nonfinite(self, found_inf)
         if self.dynamic:
             torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, 2.0, 0.5,
                                      self.growth_interval)
@@ -214,13 +222,54 @@ class LossScaler:
 
     def state_dict(self):
         return {"dynamic": self.dynamic, "scale": float(self.scale), "skipped": int(self.skipped),
-                "growth_tracker": int(self.growth_tracker)}
+                "growth_tracker": int(self.growth_tracker), "streak": int(self.streak)}
 
     def load_state_dict(self, state):
         self.skipped.fill_(state["skipped"])
+        self.streak.fill_(state.get("streak", 0))
         if self.dynamic and state.get("dynamic"):
             self.scale.fill_(state["scale"])
             self.growth_tracker.fill_(state["growth_tracker"])
+
+
+class NonFiniteCheck:
+    """The check of runs without a loss scale (O0, bf16 at O1/O2): LossScaler's inf/NaN check,
+    skip and counters, without the multiply (one read of the grads, no write, no host sync)."""
+
+    dynamic = False
+
+    def __init__(self, device):
+        self.device = device
+        self.skipped = torch.zeros((), dtype=torch.float32, device=device)
+        self.streak = torch.zeros((), dtype=torch.float32, device=device)
+
+    def check(self, grads):
+        """A 0-d tensor, 1.0 when any grad holds inf/NaN (max-abs is inf or NaN exactly then)."""
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+        by_dtype = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for group in by_dtype.values():
+            peaks = torch.stack(torch._foreach_norm(group, float("inf"))).float()
+            found_inf = torch.maximum(found_inf, (~torch.isfinite(peaks)).any().float())
+        return found_inf
+
+    def update(self, found_inf):
+        count_nonfinite(self, found_inf)
+
+    def state_dict(self):
+        return {"dynamic": False, "scale": None, "skipped": int(self.skipped), "streak": int(self.streak)}
+
+    def load_state_dict(self, state):
+        self.skipped.fill_(state.get("skipped", 0))
+        self.streak.fill_(state.get("streak", 0))
+
+
+def count_nonfinite(counters, found_inf):
+    """On the device: one more skipped step when found_inf is 1; the run of non-finite steps in a
+    row grows by one then, and drops to 0 on a clean step."""
+    counters.skipped.add_(found_inf)
+    counters.streak.add_(1.0).mul_(found_inf)
 
 
 def unscale_and_check_foreach(grads, found_inf, inv_scale):
@@ -265,6 +314,8 @@ class Precision:
         self.device_type = device_type
         device = next(model.parameters()).device
         self.scaler = LossScaler(recipe.loss_scale, device) if recipe.loss_scale is not None else None
+        # Counts skipped and in-a-row non-finite steps at every level: the scaler, or a plain check.
+        self.guard = self.scaler if self.scaler is not None else NonFiniteCheck(device)
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         # O2 masters are copied before the cast, so they keep every fp32 bit (e.g. after a resume).
         fp32_copies = ({p: p.detach().clone().float().requires_grad_(True) for p in self.model_params}
@@ -292,7 +343,8 @@ class Precision:
 
     @torch.no_grad()
     def step(self, optimizer):
-        """Copy grads to masters (O2), unscale and check, step (skipped on the device on inf/NaN)."""
+        """Copy grads to masters (O2), unscale and check (or only check, without a loss scale),
+        step: skipped on the device when a grad holds inf/NaN, at every level."""
         half_grads, master_grads = [], []
         for param, master in self.master_of.items():
             if param.grad is None:
@@ -305,14 +357,14 @@ class Precision:
         if half_grads:
             torch._foreach_copy_(master_grads, half_grads)
         raw = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps the torch optimizer
-        found_inf = None
+        grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
         if self.scaler is not None:
-            grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
             found_inf = self.scaler.unscale_and_check(grads)
+        else:
+            found_inf = self.guard.check(grads)
         raw.found_inf = found_inf  # read by the fused SGD kernel: it leaves everything as is when 1
         optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
+        self.guard.update(found_inf)
         if self.master_of:
             torch._foreach_copy_(list(self.master_of), list(self.master_of.values()))
 
@@ -330,18 +382,48 @@ class Precision:
         return {key: (value.detach().float() if value.is_floating_point() else value.detach()).cpu()
                 for key, value in state.items()}
 
+    @torch.no_grad()
+    def weights_finite(self, model):
+        """Whether every weight and floating buffer (BatchNorm statistics too, which a forward of
+        inf activations poisons even when the step is skipped), and every O2 master, is finite.
+        One host sync; checked on every process before a checkpoint is written, so all of them
+        agree (the weights are the same everywhere)."""
+        tensors = [t for t in model.state_dict().values() if t.is_floating_point() and t.numel()]
+        tensors += list(self.master_of.values())
+        by_dtype = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor.detach())
+        peaks = [torch.stack(torch._foreach_norm(group, float("inf"))).float() for group in by_dtype.values()]
+        return bool(torch.isfinite(torch.cat(peaks)).all()) if peaks else True
+
     def loss_scale_value(self):
         return self.scaler.scale if self.scaler is not None else None
 
     def skipped_steps(self):
-        return self.scaler.skipped if self.scaler is not None else None
+        """Steps skipped for inf/NaN so far (a 0-d tensor on the device), at every level."""
+        return self.guard.skipped
+
+    def divergence(self, max_nonfinite_steps=MAX_NONFINITE_STEPS):
+        """Why the run has diverged, or None. Reads the device (a sync): call it where the loop
+        syncs anyway (print-freq, end of epoch). The counters are the same on every process
+        (the grads they check were all-reduced), so every process answers the same."""
+        streak = int(self.guard.streak)
+        if streak >= max_nonfinite_steps:
+            return (f"{streak} steps in a row had non-finite (inf/NaN) loss or gradients and were skipped "
+                    f"(--max-nonfinite-steps {max_nonfinite_steps})")
+        if self.scaler is not None and self.scaler.dynamic:
+            scale = float(self.scaler.scale)
+            if scale < DYNAMIC_MIN_SCALE:
+                return (f"the dynamic loss scale fell to {scale:g}, below {DYNAMIC_MIN_SCALE:g}: the "
+                        "gradients overflow fp16 even unscaled")
+        return None
 
     def state_dict(self):
-        return self.scaler.state_dict() if self.scaler is not None else None
+        return self.guard.state_dict()
 
     def load_state_dict(self, state):
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state)
+        if state:
+            self.guard.load_state_dict(state)
 
 
 def build_sgd(params, lr, momentum, weight_decay):

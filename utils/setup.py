@@ -1,13 +1,18 @@
-"""Start-up steps shared by the scripts: flags to Accelerator, recipe, determinism, model."""
+"""Start-up steps shared by the scripts: flags to Accelerator, recipe, determinism, output
+directory, model."""
+import contextlib
 import os
+import shutil
 import sys
 
 import torch
 
-from .checkpoint import load_checkpoint, load_model_weights
-from .cli import apply_source_defaults
-from .errors import UsageError
-from .models import build_model, model_data_config
+from .checkpoint import BEST, CHECKPOINT, load_checkpoint, load_model_weights
+from .cli import apply_source_defaults, source_kind
+from .compiled import compile_model, resolve_compile
+from .errors import UsageError, first_line
+from .files import TEMP_PREFIX, atomic_write
+from .models import build_model, has_2d_convolutions, model_data_config
 from .precision import Precision, build_sgd, cpu_fp16_note, requested_mixed_precision, resolve_recipe
 
 
@@ -23,6 +28,11 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--min-scale must be in (0, 1], got {args.min_scale}")
     if not 0.0 <= args.hflip <= 1.0:
         raise UsageError(f"--hflip is a probability in [0, 1], got {args.hflip}")
+    # With --resume the checkpoint sets the start epoch (build_or_resume checks it there).
+    if not getattr(args, "evaluate", False) and not getattr(args, "resume", "") \
+            and args.start_epoch >= args.epochs:
+        raise UsageError(f"--start-epoch {args.start_epoch} leaves nothing to train with --epochs "
+                         f"{args.epochs} (the total, counted from 0); raise --epochs or lower --start-epoch")
     window = getattr(args, "prof_steps", 10)  # profile.py's --prof-steps; train.py's window is 10
     if args.prof >= 0 and args.prof + window > (args.steps_per_epoch or sys.maxsize):
         raise UsageError(f"--prof {args.prof} needs {args.prof + window} steps but --steps-per-epoch is "
@@ -55,6 +65,98 @@ def warn_unreached_milestones(args):
               file=sys.stderr, flush=True)
 
 
+# The files a training run writes into --output-dir (utils/checkpoint.py, utils/logs.py). A new run
+# never replaces another run's without --overwrite: with Apex everyone ran in the working directory
+# and a second run silently replaced the first; timm makes a new folder per run, which leaves the
+# first intact but scatters runs and makes "where is my checkpoint" a search. Resuming is the usual
+# intent, so the refusal names the --resume command, and --overwrite says "start over" explicitly.
+RUN_FILES = (CHECKPOINT, BEST, "summary.csv", "args.yaml", "curves.png")
+PROBE = ".write-test"
+
+
+def prepare_output_dir(args, accelerator):
+    """Settle --output-dir before any data or model is built: create it, prove it writable, remove
+    temp files a killed save left there, and refuse to replace another run's files. The main
+    process checks; every process gets its verdict, so all of them stop with the same one-line
+    error (none is left waiting for the others). -e writes nothing, so nothing is checked."""
+    if getattr(args, "evaluate", False):
+        return
+    problem = None
+    if accelerator.is_main_process:
+        try:
+            for line in settle_output_dir(args):
+                print(line, flush=True)
+        except UsageError as err:
+            problem = str(err)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+        problem = broadcast_object_list([problem], from_process=0)[0]
+    if problem:
+        raise UsageError(problem)
+
+
+def settle_output_dir(args):
+    """The main process's part of prepare_output_dir; returns the lines to print."""
+    out = args.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--output-dir {out!r} is a file, not a directory; give a directory (created "
+                         "if missing)")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create --output-dir {out!r}: {err.strerror}"
+                         f"{f' ({err.filename})' if err.filename and err.filename != out else ''}; "
+                         "give a directory you can write to") from None
+    try:  # through the same atomic write every output file takes
+        probe = atomic_write(os.path.join(out, f"{PROBE}-{os.getpid()}"), b"")
+        os.remove(probe)
+    except OSError as err:
+        raise UsageError(f"--output-dir {out!r} is not writable ({err.strerror}); give a directory you "
+                         "can write to") from None
+    lines = remove_stale_temp_files(out)
+    found = [name for name in RUN_FILES if os.path.lexists(os.path.join(out, name))]
+    resume = getattr(args, "resume", "")
+    overwrite = getattr(args, "overwrite", False)
+    if resume and not os.path.isfile(resume):
+        return lines  # load_checkpoint names the missing file next, before anything is written
+    continuing = bool(resume) and os.path.samefile(os.path.dirname(os.path.abspath(resume)), out)
+    if continuing and overwrite:
+        raise UsageError(f"--overwrite would remove the run in {out!r} that --resume {resume} continues; "
+                         "drop --overwrite to continue it, or drop --resume to start over")
+    if not found or continuing:
+        return lines
+    if not overwrite:
+        listed = ", ".join(found)
+        if resume:
+            raise UsageError(f"--output-dir {out!r} holds another run's files ({listed}) that resuming "
+                             f"{resume!r} there would replace; choose another --output-dir, or pass "
+                             "--overwrite to replace them")
+        how = (f"continue it with --resume {os.path.join(out, CHECKPOINT)}, " if CHECKPOINT in found else "")
+        raise UsageError(f"--output-dir {out!r} already holds a run ({listed}); {how}start over with "
+                         "--overwrite (removes those files), or choose another --output-dir")
+    for name in found:
+        os.remove(os.path.join(out, name))
+    lines.append(f"=> --overwrite: removed the previous run's {', '.join(found)} from {out}")
+    return lines
+
+
+def remove_stale_temp_files(out):
+    """Temp files (utils.files.TEMP_PREFIX) of a save that was killed before its rename: never a
+    finished file, so safe to delete once this run owns the directory."""
+    stale = sorted(name for name in os.listdir(out) if name.startswith(TEMP_PREFIX))
+    for name in stale:
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):  # gone already, or not ours to remove: harmless
+                os.remove(path)
+    if not stale:
+        return []
+    shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+    return [f"=> removed {len(stale)} temp file(s) an interrupted save left in {out}: {shown}"]
+
+
 def set_determinism(args):
     """--deterministic: repeatable kernels (cuDNN, cuBLAS and torch's own); else cudnn.benchmark."""
     if args.deterministic:
@@ -81,13 +183,55 @@ def make_accelerator(args, **accelerator_kwargs):
     recipe, notes = resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale,
                                    mixed_precision, source)
     set_determinism(args)
+    compile_note = resolve_compile(args)
+    if compile_note:
+        notes.append(compile_note)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=False)
-    # accelerator_kwargs: e.g. the trackers of train.py's --log-with (utils.logs.tracker_kwargs)
-    accelerator = Accelerator(mixed_precision="no", kwargs_handlers=[ddp], **accelerator_kwargs)
+    # accelerator_kwargs: e.g. the trackers of train.py's --log-with (utils.logs.tracker_kwargs).
+    # dynamo_backend "no": we compile ourselves, once (utils/compiled.py), whatever the config says.
+    accelerator = Accelerator(mixed_precision="no", dynamo_backend="no", kwargs_handlers=[ddp],
+                              **accelerator_kwargs)
     note = cpu_fp16_note(recipe, accelerator.device.type)
     if note:
         notes.append(note)
+    resolve_device_defaults(args, accelerator.device.type)
     return accelerator, recipe, notes
+
+
+def resolve_device_defaults(args, device_type):
+    """Settle the flags whose default depends on the device: --channels-last and --data-backend.
+
+    Sets args.input_line, the start-up line that says what was chosen and why.
+    """
+    cuda = device_type == "cuda"
+    if args.channels_last is None:  # channels_last speeds up convolutions on CUDA; elsewhere not
+        args.channels_last = cuda and has_2d_convolutions(args.arch)
+        layout = f"channels_last {'on' if args.channels_last else 'off'} (default on {device_type})"
+    else:
+        layout = f"channels_last {'on' if args.channels_last else 'off'} (--channels-last)"
+    kind = source_kind(args.data)
+    wanted = getattr(args, "data_backend", "auto")
+    if kind == "synthetic":
+        backend, why = "none", "synthetic tensors are made on the device"
+        if wanted != "auto":
+            raise UsageError(f"--data-backend {wanted}: synthetic data has no input pipeline; drop the flag")
+    elif wanted == "gpu" and not cuda:
+        raise UsageError("--data-backend gpu decodes with nvJPEG on CUDA, and this run has no CUDA device; "
+                         "use --data-backend cpu (or auto)")
+    elif wanted == "gpu" and kind == "datasets":
+        raise UsageError("--data-backend gpu reads ImageFolder files; Hugging Face datasets sources use "
+                         "--data-backend cpu (or auto)")
+    elif wanted == "auto":
+        backend = "gpu" if cuda and kind != "datasets" else "cpu"
+        why = ("auto: ImageFolder data on CUDA" if backend == "gpu" else
+               "auto: Hugging Face datasets are decoded in the workers" if cuda else "auto: no CUDA")
+    else:
+        backend, why = wanted, "--data-backend"
+    args.data_backend = backend
+    decode = {"gpu": "nvJPEG batch decode + crops on the GPU", "cpu": "PIL decode + crops in workers",
+              "none": ""}[backend]
+    args.input_line = (f"=> input: {backend} backend" + (f" ({decode})" if decode else "") +
+                       f", {why} | {layout}" + (f" | torch.compile {args.compile}" if args.compile else ""))
 
 
 def warn(accelerator, message):
@@ -123,29 +267,112 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
     params = precision.optimizer_params()
     optimizer = build_sgd(params, args.lr, args.momentum, args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if args.compile:  # after prepare: DDP's buckets see the compiled graph (utils/compiled.py)
+        model = compile_model(model, args.compile, accelerator.print)
     return model, optimizer, precision
 
 
-def build_or_resume(args, accelerator, recipe, num_classes):
+def build_or_resume(args, accelerator, recipe, num_classes, classes=None):
     """The training state train.py and profile.py start from: (model, optimizer, precision, best
     top-1 so far). With --resume (loaded on every process) the weights, optimizer, loss scale and
-    args.start_epoch come from the checkpoint, in the order that makes a resumed run bit-exact."""
+    args.start_epoch come from the checkpoint, in the order that makes a resumed run bit-exact.
+    classes: the data's class names in label order, checked against the checkpoint's."""
+    if classes and num_classes < len(classes):
+        raise UsageError(f"--num-classes {num_classes} is fewer than the {len(classes)} classes in the data; "
+                         "drop --num-classes (it defaults to the data's count)")
     checkpoint = resume_checkpoint(args)
+    same_dtype = True
+    if checkpoint is not None:
+        same_dtype = check_resume_meaning(args, checkpoint, recipe, accelerator, classes)
     model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
     if checkpoint is None:
         return model, optimizer, precision, 0.0
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    precision.load_state_dict(checkpoint.get("loss_scale"))
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        raise UsageError(f"checkpoint {args.resume!r}: its 'optimizer' state does not fit this model's "
+                         f"parameters ({first_line(err, 150)}); resume with the flags it was trained with") from None
+    if same_dtype:  # a loss scale found for fp16 means nothing for bf16 (and the reverse)
+        precision.load_state_dict(checkpoint.get("loss_scale"))
     args.start_epoch = checkpoint["epoch"]
+    args.start_step = resume_step(args, checkpoint, accelerator)
     return model, optimizer, precision, checkpoint.get("best_prec1", 0.0)
+
+
+def resume_step(args, checkpoint, accelerator):
+    """The step inside args.start_epoch to continue at: 0, or where a mid-epoch checkpoint (a stop
+    signal, --save-every-steps) stopped. A step names a place in the epoch's shuffle only for the
+    global batch it was counted in, so a mid-epoch resume needs that same global batch."""
+    step = checkpoint.get("step", 0)
+    if not step:
+        return 0
+    saved, now = checkpoint.get("global_batch"), args.batch_size * accelerator.num_processes
+    if not isinstance(step, int) or step < 0 or not isinstance(saved, int):
+        raise UsageError(f"checkpoint {args.resume!r} has a damaged mid-epoch position (step {step!r}, "
+                         f"global batch {saved!r}); resume from an end-of-epoch checkpoint instead")
+    if saved != now:
+        raise UsageError(f"checkpoint {args.resume!r} stopped inside epoch {checkpoint['epoch']} at step "
+                         f"{step} of global batch {saved}, but this run's global batch is {now} "
+                         f"(--batch-size {args.batch_size} x {accelerator.num_processes} process(es)); "
+                         f"resume with a global batch of {saved}")
+    return step
 
 
 def resume_checkpoint(args):
     """The checkpoint given by --resume, or None."""
     if not args.resume:
         return None
-    checkpoint = load_checkpoint(args.resume)
+    training = not getattr(args, "evaluate", False)
+    checkpoint = load_checkpoint(args.resume, training=training)
     if checkpoint["arch"] != args.arch:
         raise UsageError(f"checkpoint {args.resume!r} holds a {checkpoint['arch']} model, not -a "
                          f"{args.arch}; pass -a {checkpoint['arch']}")
+    if training and checkpoint["epoch"] >= args.epochs:
+        raise UsageError(f"checkpoint {args.resume!r} has finished {checkpoint['epoch']} epochs, and --epochs "
+                         f"is {args.epochs}: nothing is left to train; raise --epochs (the total) to train on")
     return checkpoint
+
+
+def _precision_name(opt_level, dtype_name):
+    return f"{opt_level} {dtype_name if opt_level != 'O0' and dtype_name not in (None, 'no') else 'fp32'}"
+
+
+def check_resume_meaning(args, checkpoint, recipe, accelerator, classes=None):
+    """Flags that change what a resumed run means: other class names refuse (labels would
+    silently mean other classes); another opt level or half dtype works, since checkpoints hold
+    fp32 weights, and says so; another global batch says how the LR changes. Returns whether
+    the half dtype is the checkpoint's (the loss-scale state is only carried over then)."""
+    trained = checkpoint.get("classes")
+    if trained and classes and list(trained) != list(classes):
+        extra = sorted(set(classes) - set(trained))[:3]
+        missing = sorted(set(trained) - set(classes))[:3]
+        detail = "; ".join(part for part in (f"not in the checkpoint: {extra}" if extra else "",
+                                             f"missing here: {missing}" if missing else "") if part)
+        raise UsageError(f"checkpoint {args.resume!r} was trained on other classes than DATA "
+                         f"{args.data or 'digits'!r} holds ({len(trained)} vs {len(classes)}; "
+                         f"{detail or 'same names, other order'}); resume on the data it was trained on, "
+                         "or start a new run")
+    old_level, old_dtype = checkpoint.get("opt_level"), checkpoint.get("mixed_precision")
+    same_dtype = True
+    if old_level is not None:
+        before = _precision_name(old_level, old_dtype)
+        after = _precision_name(recipe.opt_level, recipe.dtype_name)
+        same_dtype = before.split()[1] == after.split()[1]
+        if before != after:
+            carried = "" if same_dtype else (
+                "; the loss-scale state is not carried across dtypes"
+                if checkpoint.get("loss_scale") or recipe.loss_scale is not None else "")
+            warn(accelerator, f"resuming a checkpoint trained at {before} with {after}: its fp32 weights "
+                              f"and optimizer state carry over{carried}")
+    stored = checkpoint.get("args") or {}
+    old_batch, old_world = stored.get("batch_size"), checkpoint.get("world_size")
+    world = accelerator.num_processes
+    if isinstance(old_batch, int) and (old_batch != args.batch_size or (old_world or world) != world):
+        old_global = old_batch * (old_world or world)
+        new_global = args.batch_size * world
+        if old_global != new_global:
+            warn(accelerator, f"resuming with global batch {new_global} (--batch-size {args.batch_size} x "
+                              f"{world} process(es)) where the checkpoint had {old_global}: the LR scales with "
+                              f"it ({args.lr * old_global / 256:g} -> {args.lr * new_global / 256:g} at full "
+                              "rate) and the epoch's shuffle is cut differently")
+    return same_dtype

@@ -1,0 +1,85 @@
+"""The input backends and the device-dependent defaults: --data-backend, channels_last, --compile.
+
+The gpu backend's own pieces (header routing, packing, batched resampling) are tested in
+tests/test_gpu_batches.py; here: both backends are built from the same boxes, and the flags
+resolve and refuse as the README says.
+"""
+import argparse
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import QUICK, TINY, run_script
+from test_train import usage_error  # noqa: F401  (fixture)
+from utils.batches import SeededSamples, train_transform
+from utils.crops import TrainBoxes
+from utils.data import image_folder
+from utils.gpu_batches import ByteSamples
+from utils.setup import resolve_device_defaults
+
+
+def test_both_backends_draw_the_same_box_for_every_sample(tiny_folder):
+    cpu = SeededSamples(image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5)), seed=7)
+    gpu = ByteSamples(image_folder(tiny_folder, "train", None).samples, TrainBoxes(7, 0.1, 0.5))
+    flips = set()
+    for epoch in (0, 3):
+        for index in range(len(cpu)):
+            path = cpu.dataset.samples[index][0]
+            with Image.open(path) as image:
+                cpu_box = cpu.crop.box(image, 7, epoch, index)
+            gpu_box = gpu[(index, epoch)][2]
+            assert tuple(gpu_box) == tuple(cpu_box), (path, epoch)
+            flips.add(cpu_box[4])
+    assert flips == {True, False}  # the flip is drawn, not fixed
+    image, _ = cpu[(0, 0)]
+    assert image.size == (24, 24)
+
+
+def resolved(device_type, **flags):
+    args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False)
+    vars(args).update(flags)
+    resolve_device_defaults(args, device_type)
+    return args
+
+
+def test_auto_picks_by_device_and_source():
+    assert resolved("cuda").data_backend == "gpu"
+    assert resolved("cpu").data_backend == "cpu"
+    assert resolved("cuda", data="hf:cifar10").data_backend == "cpu"  # decoded in the workers
+    assert resolved("cuda", data="synthetic").data_backend == "none"
+    line = resolved("cuda").input_line
+    assert "gpu backend" in line and "channels_last on" in line
+
+
+def test_channels_last_defaults_on_for_convolutions_on_cuda_only():
+    assert resolved("cuda").channels_last is True
+    assert resolved("cpu").channels_last is False
+    assert resolved("cuda", arch="vit_b_16").channels_last is True   # its patch embedding is a Conv2d
+    assert resolved("cuda", channels_last=False).channels_last is False  # --channels-last False wins
+    assert "(--channels-last)" in resolved("cuda", channels_last=False).input_line
+
+
+def test_backend_flag_mistakes_are_usage_errors(usage_error):  # noqa: F811
+    if not torch.cuda.is_available():
+        usage_error(["--data-backend", "gpu", *QUICK], "--data-backend gpu", "no CUDA")
+    usage_error(["synthetic", "--data-backend", "cpu", *QUICK], "synthetic data has no input pipeline")
+    usage_error(["--data-backend", "tpu", *QUICK], "invalid choice")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults")
+def test_startup_line_and_compiled_training_with_plain_checkpoint_keys(tiny_folder, tmp_path):
+    out = tmp_path / "run"
+    result = run_script("train.py", tiny_folder, *QUICK, "--steps-per-epoch", "2", "--epochs", "1",
+                        "--compile", "--output-dir", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "=> input: cpu backend (PIL decode + crops in workers), auto: no CUDA | channels_last off" in result.stdout
+    assert "torch.compile (inductor): first forward, compile included, took" in result.stdout
+    assert result.stdout.count("torch.compile (inductor): first forward") == 1  # printed once
+    state = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)["state_dict"]
+    assert not any("_orig_mod" in key or key.startswith("module.") for key in state)
+    import torchvision
+    torchvision.models.resnet18(num_classes=3).load_state_dict(state)  # strict: an uncompiled model takes it
+    evaluated = run_script("eval.py", "--resume", out / "checkpoint.pth.tar", "--compile", "-j", "0")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "torch.compile (inductor)" in evaluated.stdout

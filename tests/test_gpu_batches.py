@@ -1,0 +1,338 @@
+"""The gpu input backend's pieces: shared crop boxes, header routing, byte packing, the batched
+decoder (on CPU tensors here; nvJPEG itself in the tests marked gpu)."""
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms
+
+from utils.crops import CenterBoxes, PilTrainCrop, TrainBoxes, center_box, train_box
+from utils.errors import UsageError
+from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, jpeg_route, pack_bytes, pil_rgb,
+                               reference_crop, resample_batch, unpack)
+
+SIZE = 64
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def photo(width=160, height=120, seed=0):
+    """Smooth colour waves under fine grain, like a photo: the detail is in the brightness, the
+    colour varies slowly (decoders differ most in chroma upsampling, so content whose colour
+    changes pixel to pixel would measure that rather than the decoder)."""
+    rng = np.random.RandomState(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([128 + 90 * np.sin(xx / (17 + seed)), 128 + 90 * np.cos(yy / 13.0),
+                     128 + 60 * np.sin((xx + yy) / 11.0)], -1)
+    grain = rng.normal(0, 20, (height, width, 1)) + rng.normal(0, 4, base.shape)
+    return Image.fromarray(np.clip(base + grain, 0, 255).astype(np.uint8))
+
+
+def encode(image, **options):
+    buffer = io.BytesIO()
+    image.save(buffer, **options)
+    return buffer.getvalue()
+
+
+def odd_files():
+    """One file of every kind the header router must tell apart: (name, bytes, expected route)."""
+    image = photo()
+    baseline = encode(image, format="JPEG", quality=90)
+    return [("baseline.JPEG", baseline, GPU),
+            ("subsampling444.JPEG", encode(image, format="JPEG", quality=90, subsampling=0), GPU),
+            ("grayscale.JPEG", encode(image.convert("L"), format="JPEG"), "grayscale"),
+            ("cmyk.JPEG", encode(image.convert("CMYK"), format="JPEG"), "cmyk"),
+            ("progressive.JPEG", encode(image, format="JPEG", progressive=True), "progressive"),
+            ("png.JPEG", encode(image, format="PNG"), "png"),
+            ("truncated.JPEG", baseline[:len(baseline) // 2], "truncated")]
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(tmp_path_factory):
+    """Real files on disk: baseline JPEGs of several sizes plus the odd ones ImageNet holds."""
+    root = tmp_path_factory.mktemp("mixed")
+    samples = []
+    for k, (width, height) in enumerate([(160, 120), (97, 131), (200, 90), (64, 64)]):
+        path = root / f"photo{k}.JPEG"
+        path.write_bytes(encode(photo(width, height, seed=k), format="JPEG", quality=90))
+        samples.append((str(path), k))
+    for name, data, route in odd_files():
+        if route != "truncated":
+            (root / name).write_bytes(data)
+            samples.append((str(root / name), len(samples)))
+    return samples
+
+
+# ----------------------------------------------------------------------------- crop boxes
+
+def test_train_box_is_a_pure_function_of_seed_epoch_index():
+    boxes = [train_box(1, 2, index, 500, 375, 0.08, 0.5) for index in range(200)]
+    assert boxes == [train_box(1, 2, index, 500, 375, 0.08, 0.5) for index in range(200)]
+    torch.manual_seed(123)  # the global RNGs play no part
+    assert boxes[7] == train_box(1, 2, 7, 500, 375, 0.08, 0.5)
+    assert boxes != [train_box(1, 3, index, 500, 375, 0.08, 0.5) for index in range(200)]
+    for top, left, height, width, flip in boxes:
+        assert 0 <= top and top + height <= 375 and 0 <= left and left + width <= 500
+        assert 0.08 * 500 * 375 * 0.97 <= height * width  # scale range, up to rounding
+    flips = sum(box[4] for box in boxes)
+    assert 70 < flips < 130  # hflip 0.5
+    assert not any(train_box(1, 2, index, 500, 375, 0.08, 0.0)[4] for index in range(50))
+
+
+def test_train_box_falls_back_to_the_centre_like_torchvision():
+    # A 1000x10 strip never fits a 3/4..4/3 box of >= 90% of its area: torchvision's fallback.
+    assert train_box(0, 0, 0, 1000, 10, 0.9, 0.0) == (0, (1000 - 13) // 2, 10, 13, False)
+
+
+def test_center_box_matches_resize_then_center_crop():
+    # 500x375, 224/0.875 = 256: resized to 341x256, crop at (16, 58) -> source /(256/375)
+    top, left, height, width, flip = center_box(500, 375, 224, 0.875)
+    assert (height, width) == pytest.approx((224 * 375 / 256, 224 * 500 / 341))
+    assert (top, left) == pytest.approx((16 * 375 / 256, 58 * 500 / 341)) and flip is False
+
+
+def test_pil_crop_and_tensor_path_use_the_same_boxes():
+    image = photo(160, 120)
+    crop = PilTrainCrop(SIZE, 0.08, 0.5)
+    boxes = TrainBoxes(seed=3, min_scale=0.08, hflip=0.5)
+    for index in range(20):
+        assert crop.box(image, 3, 5, index) == boxes(160, 120, 5, index)
+
+
+def test_tensor_path_pixels_match_the_pil_path():
+    """Same boxes, same kernels: the batched resample is within rounding of PIL (whose two passes
+    each round to uint8). Tolerance: mean abs diff < 0.5, max 1 level for bilinear."""
+    images = [photo(160, 120, seed=s) for s in range(3)] + [photo(97, 131, seed=5)]
+    crop = PilTrainCrop(SIZE, 0.08, 0.5)
+    boxes = [crop.box(image, 0, 1, index) for index, image in enumerate(images)]
+    pictures = [torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]
+    shapes = torch.tensor([(image.height, image.width) for image in images])
+    out = resample_batch(pictures, torch.tensor(boxes, dtype=torch.float64), shapes, SIZE)
+    assert any(box[4] for box in boxes) and not all(box[4] for box in boxes)  # both flip states
+    for k, image in enumerate(images):
+        expected = torch.from_numpy(np.array(crop(image, 0, 1, k))).permute(2, 0, 1).float()
+        diff = (out[k] - expected).abs()
+        assert diff.mean() < 0.5 and diff.max() <= 1, (k, diff.mean(), diff.max())
+        # the per-image torchvision path it stands in for agrees too
+        reference = reference_crop(pictures[k], boxes[k], SIZE).float()
+        assert (out[k] - reference).abs().mean() < 0.5
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
+def test_validation_resize_center_crop_matches_torchvision_pil(interpolation):
+    image = photo(160, 120)
+    mode = transforms.InterpolationMode(interpolation)
+    expected = transforms.Compose([transforms.Resize(int(SIZE / 0.875), interpolation=mode),
+                                   transforms.CenterCrop(SIZE)])(image)
+    expected = torch.from_numpy(np.array(expected)).permute(2, 0, 1).float()
+    box = CenterBoxes(SIZE, 0.875)(160, 120, 0, 0)
+    out = resample_batch([torch.from_numpy(np.array(image)).permute(2, 0, 1)],
+                         torch.tensor([box], dtype=torch.float64), torch.tensor([[120, 160]]), SIZE,
+                         train=False, interpolation=interpolation)[0]
+    diff = (out - expected).abs()
+    if interpolation == "nearest":  # same taps, except where PIL's accumulated centre falls below
+        assert (diff == 0).float().mean() > 0.97  # an exact integer (here one column of 64)
+        return
+    # bicubic overshoots: PIL clips its intermediate pass to 0..255, we clip once at the end
+    assert diff.mean() < 0.5 and diff.max() <= (1 if interpolation == "bilinear" else 8), (diff.mean(), diff.max())
+
+
+def test_chunked_canvas_gives_the_same_pixels():
+    """A small canvas budget splits the batch into several matmul chunks; order and pixels hold."""
+    images = [photo(40 + 30 * k, 50 + 10 * k, seed=k) for k in range(5)]
+    pictures = [torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]
+    boxes = torch.tensor([train_box(0, 0, k, image.width, image.height, 0.3, 0.5) for k, image in enumerate(images)],
+                         dtype=torch.float64)
+    shapes = torch.tensor([(image.height, image.width) for image in images])
+    whole = resample_batch(pictures, boxes, shapes, SIZE)
+    chunked = resample_batch(pictures, boxes, shapes, SIZE, budget=3 * 60 * 90)
+    assert torch.equal(whole, chunked)
+
+
+# ----------------------------------------------------------------------------- routing, packing
+
+@pytest.mark.parametrize("name,data,route", odd_files(), ids=[f[0] for f in odd_files()])
+def test_header_routing(name, data, route, tmp_path):
+    path = tmp_path / name
+    path.write_bytes(data)
+    assert jpeg_route(path.read_bytes()) == route
+
+
+def test_not_an_image_routes_to_pil():
+    assert jpeg_route(b"GIF89a....") == "not-jpeg" and jpeg_route(b"") == "not-jpeg"
+
+
+def test_pack_round_trip_keeps_bytes_and_metadata(mixed_folder):
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    batch = [dataset[(index, 2)] for index in range(len(dataset))]
+    packed = pack_bytes(batch)
+    payloads = unpack(packed.buffer, packed.offsets)
+    assert len(payloads) == len(batch)
+    for payload, sample in zip(payloads, batch):
+        assert payload.dtype == torch.uint8 and np.array_equal(payload.numpy(), sample[0])
+        assert payload.untyped_storage().data_ptr() == packed.buffer.untyped_storage().data_ptr()  # views
+    assert packed.labels.tolist() == [label for _, label in mixed_folder]
+    assert packed.indices.tolist() == list(range(len(batch)))
+    assert packed.boxes[:, :4].tolist() == [list(sample[2][:4]) for sample in batch]
+    routes = [jpeg_route(open(path, "rb").read()) for path, _ in mixed_folder]
+    assert packed.raw.tolist() == [route != GPU for route in routes]
+    # the JPEG payloads are the files; the others PIL's pixels at the true size
+    for (path, _), payload, raw, (height, width) in zip(mixed_folder, payloads, packed.raw, packed.shapes.tolist()):
+        size = Image.open(path).size
+        assert (width, height) == size
+        if not raw:
+            assert payload.numpy().tobytes() == open(path, "rb").read()
+        else:
+            assert len(payload) == width * height * 3
+
+
+def test_packed_batches_cross_worker_processes(mixed_folder):
+    dataset = ByteSamples(mixed_folder, CenterBoxes(SIZE, 0.875))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=pack_bytes)
+    got = list(loader)
+    assert sum(len(packed.labels) for packed in got) == len(dataset)
+    assert unpack(got[0].buffer, got[0].offsets)[0].numpy().tobytes() == open(mixed_folder[0][0], "rb").read()
+
+
+# ----------------------------------------------------------------------------- decoder
+
+def decoded(mixed_folder, train=True, channels_last=False):
+    boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
+    dataset = ByteSamples(mixed_folder, boxes)
+    packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
+    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, channels_last, name_of=dataset.name,
+                              train=train)
+    return decoder(packed), packed
+
+
+def cpu_backend_pixels(path, train, index):
+    """What the cpu backend feeds the model: PIL decode, then PilTrainCrop / Resize+CenterCrop."""
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+    if train:
+        out = PilTrainCrop(SIZE, 0.08, 0.5)(image, 0, 1, index)
+    else:
+        out = transforms.Compose([transforms.Resize(int(SIZE / 0.875)), transforms.CenterCrop(SIZE)])(image)
+    return torch.from_numpy(np.array(out)).permute(2, 0, 1).float()
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "val"])
+def test_decoder_matches_the_cpu_backend_on_a_mixed_folder(mixed_folder, train):
+    (images, targets), packed = decoded(mixed_folder, train, channels_last=True)
+    assert images.shape == (len(mixed_folder), 3, SIZE, SIZE) and images.dtype == torch.float32
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    assert targets.dtype == torch.int64 and targets.tolist() == [label for _, label in mixed_folder]
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
+    for index, (path, _) in enumerate(mixed_folder):
+        pixels = images[index] * std + mean
+        diff = (pixels - cpu_backend_pixels(path, train, index)).abs()
+        # libjpeg-turbo decodes in both; the rest is resampling rounding
+        assert diff.mean() < 0.5 and diff.max() <= 1.01, (path, diff.mean(), diff.max())
+
+
+def test_decoder_repeats_bit_for_bit(mixed_folder):
+    (first, _), _ = decoded(mixed_folder)
+    (second, _), _ = decoded(mixed_folder)
+    assert torch.equal(first, second)
+
+
+def test_corrupt_file_is_a_usage_error_naming_it(tmp_path):
+    bad = tmp_path / "broken.JPEG"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg at all" * 3)
+    dataset = ByteSamples([(str(bad), 0)], TrainBoxes(0, 0.08, 0.5))
+    with pytest.raises(UsageError, match="broken.JPEG"):
+        dataset[(0, 0)]
+    truncated = tmp_path / "cut.JPEG"
+    truncated.write_bytes(odd_files()[0][1][:300])
+    with pytest.raises(UsageError, match="cut.JPEG"):
+        ByteSamples([(str(truncated), 0)], TrainBoxes(0, 0.08, 0.5))[(0, 0)]
+
+
+def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, tmp_path):
+    """A file whose header passes but whose body the decoder rejects goes to cpu_fallback alone;
+    if PIL cannot read it either, the error names it."""
+    good = open(mixed_folder[0][0], "rb").read()
+    start = good.find(b"\xff\xda")  # scan data replaced by garbage with an EOI: header says GPU
+    bad = good[:start] + b"\xff\xda\x00\x02" + b"\xff\x00" * 10 + b"\xff\xd9"
+    assert jpeg_route(bad) == GPU
+    names = {0: "good.JPEG", 1: "bad.JPEG"}
+    calls = []
+
+    def fallback(data, name):
+        calls.append(name)
+        return pil_rgb(data, name)
+
+    samples = [(np.frombuffer(good, np.uint8), 0, (0, 0, 120, 160, False), 0, 120, 160, False),
+               (np.frombuffer(bad, np.uint8), 1, (0, 0, 120, 160, False), 1, 120, 160, False)]
+    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, cpu_fallback=fallback, name_of=names.get)
+    with pytest.raises(UsageError, match="bad.JPEG"):
+        decoder(pack_bytes(samples))
+    assert calls == ["bad.JPEG"]
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+def gpu_decoder(dataset, train=True, size=SIZE):
+    return GpuBatchDecoder("cuda", size, IMAGENET_MEAN, IMAGENET_STD, channels_last=True, name_of=dataset.name,
+                           train=train)
+
+
+@pytest.mark.gpu
+def test_nvjpeg_pixels_close_to_pil(mixed_folder):
+    """Decoded pixels (no crop: the whole image as its box at its own size) vs PIL: mean abs < 2."""
+    from utils.gpu_batches import GpuBatchDecoder as Decoder
+    dataset = ByteSamples(mixed_folder, lambda width, height, epoch, index: (0, 0, height, width, False))
+    packed = pack_bytes([dataset[index] for index in range(len(dataset))])
+    pictures = Decoder("cuda", SIZE, IMAGENET_MEAN, IMAGENET_STD).decode(packed)
+    for (path, _), picture in zip(mixed_folder, pictures):
+        expected = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+        assert picture.shape == expected.shape
+        assert (picture.cpu().float() - expected.float()).abs().mean() < 2, path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("train", [True, False], ids=["train", "val"])
+def test_gpu_pipeline_matches_the_cpu_backend(mixed_folder, train):
+    boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
+    dataset = ByteSamples(mixed_folder, boxes)
+    packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
+    images, targets = gpu_decoder(dataset, train)(packed)
+    torch.cuda.synchronize()
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
+    for index, (path, _) in enumerate(mixed_folder):
+        pixels = images[index].cpu() * std + mean
+        diff = (pixels - cpu_backend_pixels(path, train, index)).abs()
+        assert diff.mean() < 2.5, (path, diff.mean())  # nvJPEG's IDCT/upsampling + fp16 resampling
+    assert targets.tolist() == [label for _, label in mixed_folder]
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_repeats_bit_for_bit(mixed_folder):
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
+    decoder = gpu_decoder(dataset)
+    first = decoder(packed)[0].cpu()
+    for _ in range(3):
+        assert torch.equal(decoder(packed)[0].cpu(), first)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_survives_queued_work_on_the_consumer_stream(mixed_folder):
+    """pytorch/vision#9606: tensors freed while kernels queued on the caller's stream still read
+    them must not be overwritten by the decode. Queue a long matmul chain, free its inputs, decode."""
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
+    decoder = gpu_decoder(dataset)
+    for _ in range(20):
+        victims = [torch.full((1 << 20,), 1.5, device="cuda") for _ in range(8)]
+        slow = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            slow = slow @ slow.T / 4096
+        sums = [victim.sum() for victim in victims]
+        del victims
+        decoder(packed)
+        assert all(float(total) == 1.5 * (1 << 20) for total in sums)

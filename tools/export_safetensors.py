@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Export a train.py checkpoint's weights as safetensors, loadable by the bare torchvision/timm model.
+
+    python tools/export_safetensors.py model_best.pth.tar resnet50.safetensors
+
+The file holds the checkpoint's state_dict in fp32 (at O2 the masters: train.py always saves
+fp32), with no `module.` (DDP) or `_orig_mod.` (torch.compile) prefixes, so
+
+    model = torchvision.models.get_model("resnet50", num_classes=N)     # or timm.create_model(...)
+    model.load_state_dict(safetensors.torch.load_file("resnet50.safetensors"), strict=True)
+
+works without this project. Its metadata (strings, as safetensors requires) names the arch,
+epoch, num_classes, best_prec1, opt_level and the class names (JSON, label order); read it with
+`safetensors.safe_open(path, "pt").metadata()`. The optimizer, loss scale and RNG state are
+training state and are left out. Written atomically: a kill never leaves half a file.
+"""
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
+from utils.checkpoint import load_checkpoint  # noqa: E402
+from utils.cli import OneLineErrorParser  # noqa: E402
+from utils.errors import UsageError, exit_on_usage_error  # noqa: E402
+from utils.files import atomic_write  # noqa: E402
+
+# Wrappers whose attribute name ends up in front of every key: DDP, torch.compile's OptimizedModule.
+PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_prefixes(key):
+    """'module._orig_mod.conv1.weight' -> 'conv1.weight' (wrappers nest in either order)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in PREFIXES:
+            if key.startswith(prefix):
+                key, stripped = key[len(prefix):], True
+    return key
+
+
+def export_tensors(state_dict):
+    """fp32, contiguous, unshared copies (safetensors refuses tensors that share storage)."""
+    tensors = {}
+    for key, value in state_dict.items():
+        name = strip_prefixes(key)
+        if name in tensors:
+            raise UsageError(f"two weights become {name!r} once the wrapper prefixes are stripped; "
+                             "the checkpoint's state_dict is not one model's")
+        value = value.detach()
+        tensors[name] = (value.float() if value.is_floating_point() else value).contiguous().clone()
+    return tensors
+
+
+def export_metadata(checkpoint):
+    classes = checkpoint.get("classes")
+    num_classes = checkpoint.get("num_classes") or (len(classes) if classes else None)
+    fields = {"format": "pt",  # what Hugging Face / timm loaders expect of a torch safetensors file
+              "arch": checkpoint["arch"], "epoch": checkpoint["epoch"], "num_classes": num_classes,
+              "best_prec1": checkpoint.get("best_prec1"), "opt_level": checkpoint.get("opt_level"),
+              "classes": json.dumps(list(classes)) if classes else None}
+    return {key: str(value) for key, value in fields.items() if value is not None}
+
+
+def export(checkpoint_path, out_path):
+    """Write out_path; returns (number of tensors, metadata)."""
+    import safetensors.torch
+
+    checkpoint = load_checkpoint(checkpoint_path)
+    tensors = export_tensors(checkpoint["state_dict"])
+    metadata = export_metadata(checkpoint)
+    atomic_write(out_path, safetensors.torch.save(tensors, metadata=metadata), fsync=True)
+    return len(tensors), metadata
+
+
+def main(argv=None):
+    parser = OneLineErrorParser(prog="export_safetensors.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.pth.tar or model_best.pth.tar")
+    parser.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    args = parser.parse_args(argv)
+    if not args.out.endswith(".safetensors"):
+        raise UsageError(f"the output name should end in .safetensors, got {args.out!r}")
+    count, metadata = export(args.checkpoint, args.out)
+    print(f"=> wrote {count} tensors of {metadata['arch']} (epoch {metadata['epoch']}, "
+          f"{metadata.get('num_classes', '?')} classes) to {args.out}")
+
+
+if __name__ == "__main__":
+    exit_on_usage_error(main)

@@ -1,0 +1,88 @@
+"""torch.compile of the model: whether to compile, the compile itself, and the plain module behind it.
+
+--compile, or Accelerate's own dynamo_backend setting (`accelerate launch --dynamo_backend`, the
+yaml, ACCELERATE_DYNAMO_BACKEND), turns it on. We compile exactly once, ourselves, after
+Accelerate's prepare() (so DDP's bucketing sees the compiled graph, as torch recommends), and
+tell the Accelerator not to compile again. dynamic=False: the train batch never changes shape
+(the sampler drops the last partial batch); validation's shorter last batch costs one more
+compile instead of a slower dynamic-shape graph for every step.
+
+The compiled wrapper prefixes every state_dict key with `_orig_mod.`; checkpoints are taken from
+plain_module(), so they load into an uncompiled model. Accelerate's unwrap_model(keep_torch_compile=
+True) would rewire the compiled wrapper to the bare module (dropping DDP from training), so we
+never call it on a compiled model.
+"""
+import os
+import time
+
+import torch
+
+from .errors import UsageError
+
+DEFAULT_BACKEND = "inductor"
+
+
+def accelerate_dynamo_backend():
+    """The backend Accelerate's config or launch flag asks for (lower case), or None."""
+    value = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "").strip().lower()
+    return None if value in ("", "no", "none") else value
+
+
+def resolve_compile(args):
+    """Settle args.compile to a backend name or False; returns a note for the user or None."""
+    from_accelerate = accelerate_dynamo_backend()
+    if not from_accelerate:
+        args.compile = DEFAULT_BACKEND if args.compile else False
+        return None
+    if from_accelerate not in torch._dynamo.list_backends():
+        raise UsageError(f"Accelerate's dynamo_backend {from_accelerate!r} is not a torch.compile backend "
+                         f"here ({', '.join(torch._dynamo.list_backends())}); fix the config or drop it")
+    args.compile = from_accelerate
+    return f"torch.compile with backend {from_accelerate}, from Accelerate's dynamo_backend setting (compiled once, by this script)"
+
+
+def compile_model(model, backend, log):
+    """torch.compile(model); the first forward's wall time (the compile) is logged once."""
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    clock = {}
+
+    def started(module, inputs):
+        clock.setdefault("start", time.perf_counter())
+
+    def finished(module, inputs, output):
+        if "done" not in clock:
+            clock["done"] = True
+            log(f"=> torch.compile ({backend}): first forward, compile included, took "
+                f"{time.perf_counter() - clock['start']:.1f} s")
+
+    compiled.register_forward_pre_hook(started)
+    compiled.register_forward_hook(finished)
+    compiled.__dict__["_eval_backend"] = backend  # plain attributes: not submodules, not in state_dict
+    return compiled
+
+
+def is_compiled(model):
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def plain_module(model):
+    """The bare nn.Module under torch.compile and DDP wrappers, without changing any wrapper."""
+    if is_compiled(model):
+        model = model._orig_mod
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def eval_module(model):
+    """What validation runs: the bare module (no DDP collectives, since ranks may hold one batch
+    more or less than each other), compiled on its own when training is compiled (cached)."""
+    if not is_compiled(model):
+        return plain_module(model)
+    if plain_module(model) is model._orig_mod:  # compiled without DDP (eval.py): use it as it is
+        return model
+    cached = getattr(model, "_eval_compiled", None)
+    if cached is None:
+        cached = torch.compile(plain_module(model), backend=model._eval_backend, dynamic=False)
+        model.__dict__["_eval_compiled"] = cached
+    return cached

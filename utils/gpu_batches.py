@@ -1,0 +1,503 @@
+"""The gpu input backend: loader workers read file bytes, the main process decodes whole batches
+with nvJPEG and crops, flips, resizes and normalises them on the device as batched tensor work.
+
+Worker side: ByteSamples reads a file, sniffs its JPEG header (jpeg_header) and returns the bytes
+with the crop box utils/crops.py draws for (seed, epoch, index); files nvJPEG cannot take (PNG
+inside .JPEG, CMYK, grayscale, progressive, truncated, ...) are decoded there by PIL instead, so
+the main process never spends time on them. pack_bytes collates a batch into one uint8 buffer +
+offsets (five tensors through the worker queue, not 256).
+Main-process side: GpuBatchDecoder turns a Packed batch into normalised float NCHW images and
+int64 targets on the device; GpuBatches iterates a loader through it (the prefetcher contract:
+len() and (images, targets) batches). Everything runs on CPU tensors as well (torchvision's CPU
+decode_jpeg in place of nvJPEG), which is how the tests cover it without a GPU.
+
+Resampling is separable and batched: per image and axis a (size x length) weight matrix with
+PIL's kernels (bilinear/bicubic with antialiasing support scaling, nearest), so a whole chunk of
+images is two batched matmuls over a zero-padded canvas. The weights are zero outside each
+image's crop region, so the padding never leaks in, and a flip is the horizontal matrix reversed.
+"""
+import io
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as F
+
+from .errors import UsageError
+
+GPU = "gpu"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# SOF markers nvJPEG decodes (baseline and extended sequential Huffman), and why the rest go to PIL.
+SOF_GPU = (0xC0, 0xC1)
+SOF_OTHER = {0xC2: "progressive", 0xC6: "progressive", 0xC3: "lossless", 0xC7: "lossless",
+             0xC5: "hierarchical", 0xC9: "arithmetic", 0xCA: "arithmetic", 0xCB: "arithmetic",
+             0xCD: "arithmetic", 0xCE: "arithmetic", 0xCF: "arithmetic"}
+STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
+# Pixels a resampling chunk's canvas may hold (x3 channels x2 bytes in fp16: 384 MiB). An ImageNet
+# batch of 256 fits in one chunk; a few huge photos get chunks of their own instead of inflating it.
+CANVAS_BUDGET = 2 ** 26
+
+
+# ----------------------------------------------------------------------------- header routing
+
+def jpeg_header(data):
+    """(route, width, height) from the markers of an encoded image, without decoding it.
+
+    route is GPU for an 8-bit baseline/extended-Huffman JPEG with 3 components (YCbCr, chroma
+    sampled 1x1 against any luma factors) whose scan is followed by an EOI; otherwise the reason
+    the file goes to the CPU decoder. width/height are the frame's (0 where no frame was read).
+    """
+    if data[:8] == PNG_MAGIC:
+        return "png", 0, 0
+    if data[:2] != b"\xff\xd8":
+        return "not-jpeg", 0, 0
+    pos, n, frame, adobe = 2, len(data), None, None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return "bad-marker", *_size(frame)
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker in STANDALONE:
+            pos += 2
+            continue
+        if marker == 0xD9:  # EOI before any scan
+            return "truncated", *_size(frame)
+        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if end > n or end < pos + 4:
+            return "truncated", *_size(frame)
+        if marker in SOF_GPU or marker in SOF_OTHER:
+            frame = (marker, data[pos + 4:end])
+        elif marker == 0xEE and data[pos + 4:pos + 9] == b"Adobe" and end - pos >= 16:
+            adobe = data[pos + 15]  # APP14 transform flag: 0 RGB/CMYK, 1 YCbCr, 2 YCCK
+        elif marker == 0xDA:
+            route = _frame_route(frame, adobe)
+            # FF D9 cannot occur inside entropy-coded data (0xFF is stuffed), so its absence
+            # after the scan header means the file was cut short.
+            if route == GPU and data.rfind(b"\xff\xd9") < end:
+                route = "truncated"
+            return route, *_size(frame)
+        pos = end
+    return "truncated", *_size(frame)
+
+
+def _size(frame):
+    if frame is None or len(frame[1]) < 6:
+        return 0, 0
+    segment = frame[1]
+    return int.from_bytes(segment[3:5], "big"), int.from_bytes(segment[1:3], "big")
+
+
+def _frame_route(frame, adobe):
+    if frame is None:
+        return "no-frame"
+    marker, segment = frame
+    if marker in SOF_OTHER:
+        return SOF_OTHER[marker]
+    if len(segment) < 6 or segment[0] != 8:
+        return "not-8-bit"
+    components = segment[5]
+    if components == 1:
+        return "grayscale"
+    if components == 4:
+        return "ycck" if adobe == 2 else "cmyk"
+    if components != 3 or len(segment) < 6 + 3 * components:
+        return f"{components}-components"
+    if adobe == 0:
+        return "adobe-rgb"  # 3 components stored as RGB, not YCbCr
+    if segment[6 + 4] != 0x11 or segment[6 + 7] != 0x11:
+        return "odd-sampling"
+    width, height = _size(frame)
+    return GPU if width and height else "no-size"
+
+
+def jpeg_route(data):
+    """GPU, or the reason (png, cmyk, grayscale, progressive, truncated, not-jpeg, ...) for PIL."""
+    return jpeg_header(data)[0]
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def read_file(path):
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def pil_rgb(data, name):
+    """Decode with PIL into an HWC uint8 RGB array, as the cpu backend's ImageFolder loader does;
+    an unreadable file is the same UsageError naming it."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(image.convert("RGB"))
+    except (OSError, ValueError, SyntaxError) as err:
+        raise UsageError(f"cannot read image {str(name)!r} ({err}); remove or replace that file") from None
+
+
+class ByteSamples(torch.utils.data.Dataset):
+    """(where, label) samples -> (payload, label, box, index, height, width, raw) for pack_bytes.
+
+    key is (index, epoch) as the train sampler yields it, or a bare index (epoch 0, validation).
+    boxes is utils.crops.TrainBoxes or CenterBoxes; read(where) -> bytes (default: a file path;
+    a Hugging Face source passes its own). payload is the file's bytes when the header routes it
+    to nvJPEG (raw False), else PIL's RGB pixels flattened (raw True).
+    """
+
+    def __init__(self, samples, boxes, read=read_file):
+        self.samples, self.boxes, self.read = samples, boxes, read
+
+    def __len__(self):
+        return len(self.samples)
+
+    def name(self, index):
+        return str(self.samples[index][0])
+
+    def __getitem__(self, key):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        where, label = self.samples[index]
+        try:
+            data = self.read(where)
+        except OSError as err:
+            raise UsageError(f"cannot read image {str(where)!r} ({err}); remove or replace that file") from None
+        route, width, height = jpeg_header(data)
+        if route == GPU:
+            payload, raw = np.frombuffer(data, dtype=np.uint8), False
+        else:
+            pixels = pil_rgb(data, where)
+            (height, width), payload, raw = pixels.shape[:2], pixels.reshape(-1), True
+        return payload, label, self.boxes(width, height, epoch, index), index, height, width, raw
+
+
+class Packed(NamedTuple):
+    """One batch as the workers hand it over: every payload in one buffer."""
+    buffer: torch.Tensor   # uint8 (total,): the payloads back to back
+    offsets: torch.Tensor  # int64 (n+1,): payload i is buffer[offsets[i]:offsets[i+1]]
+    shapes: torch.Tensor   # int64 (n, 2): image height, width
+    raw: torch.Tensor      # bool (n,): payload is HWC RGB pixels (PIL-decoded), not JPEG bytes
+    boxes: torch.Tensor    # float64 (n, 5): top, left, height, width, flip (source pixels)
+    labels: torch.Tensor   # int64 (n,)
+    indices: torch.Tensor  # int64 (n,): dataset indices, to name a file in an error
+
+
+def _empty_buffer(size):
+    """A uint8 tensor; inside a loader worker in shared memory already, as default_collate does,
+    so the queue does not copy the batch's bytes a second time."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(size, dtype=torch.uint8)
+    storage = torch.empty(0, dtype=torch.uint8)._typed_storage()._new_shared(size)
+    return torch.empty(0, dtype=torch.uint8).new(storage)
+
+
+def pack_bytes(batch):
+    """collate_fn for ByteSamples: a list of samples -> Packed."""
+    payloads = [sample[0] for sample in batch]
+    offsets = np.zeros(len(batch) + 1, dtype=np.int64)
+    np.cumsum([len(payload) for payload in payloads], out=offsets[1:])
+    buffer = _empty_buffer(int(offsets[-1]))
+    if len(buffer):
+        np.concatenate(payloads, out=buffer.numpy())
+    return Packed(buffer, torch.from_numpy(offsets),
+                  torch.tensor([(sample[4], sample[5]) for sample in batch], dtype=torch.int64),
+                  torch.tensor([sample[6] for sample in batch], dtype=torch.bool),
+                  torch.tensor([sample[2] for sample in batch], dtype=torch.float64),
+                  torch.tensor([sample[1] for sample in batch], dtype=torch.int64),
+                  torch.tensor([sample[3] for sample in batch], dtype=torch.int64))
+
+
+def unpack(buffer, offsets):
+    """The payloads of a Packed buffer as uint8 tensors (views of the buffer, no copy)."""
+    bounds = offsets.tolist()
+    return [buffer[start:end] for start, end in zip(bounds, bounds[1:])]
+
+
+# ----------------------------------------------------------------------------- resampling
+
+def _bilinear(x):
+    return (1 - x.abs()).clamp_(min=0)
+
+
+def _bicubic(x, a=-0.5):  # PIL's bicubic (a = -0.5), support 2
+    x = x.abs()
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+KERNELS = {"bilinear": _bilinear, "bicubic": _bicubic}
+
+
+def axis_weights(start, length, size, clip, span, interpolation):
+    """(n, size, span) weights resampling [start, start+length) of each row onto size samples.
+
+    PIL's coefficients (Resample.c precompute_coeffs): output i is centred at
+    start + (i + 0.5) * scale; when downscaling the kernel is stretched by scale (antialiasing);
+    taps are limited to [0, clip) and renormalised, so a row with no tap is 0 (CenterCrop's
+    zero padding). nearest takes the tap at floor(centre), as PIL's nearest resize does.
+    start, length, clip: float64 (n,) tensors on the device the weights are wanted on.
+    """
+    # Centres in float64 (n x size, tiny) so a centre that is an exact integer stays one; the
+    # (n, size, span) taps are then offsets from floor(centre), exact in float32.
+    scale = (length.double() / size)[:, None, None]
+    centres = start.double()[:, None, None] + (torch.arange(size, device=start.device, dtype=torch.float64)
+                                                [None, :, None] + 0.5) * scale
+    taps = torch.arange(span, device=start.device)[None, None, :]
+    inside = taps < clip[:, None, None]
+    if interpolation == "nearest":
+        # PIL takes floor(centre) too, but accumulates centre += scale in double, so where the
+        # centre is an exact integer it may land one pixel lower: a rare column or row differs.
+        return ((taps == centres.floor().long()) & inside).float()
+    base = centres.floor()
+    offsets = (taps - base.long()).float() + 0.5 - (centres - base).float()
+    weights = KERNELS[interpolation](offsets / scale.clamp(min=1).float()) * inside
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total != 0, weights / total.where(total != 0, torch.ones_like(total)), 0.0)
+
+
+def _regions(boxes, shapes, train):
+    """Per image the pixels the kernels may read: the crop box itself for training (torchvision
+    crops, then resizes), the whole image for validation (resize, then crop)."""
+    if train:
+        return [(int(t), int(l), int(h), int(w)) for t, l, h, w in boxes[:, :4].tolist()]
+    return [(0, 0, h, w) for h, w in shapes.tolist()]
+
+
+def _chunks(regions, budget):
+    """Image indices grouped so no group's padded canvas exceeds budget pixels (smallest first)."""
+    order = sorted(range(len(regions)), key=lambda i: regions[i][2] * regions[i][3])
+    groups, group, tall, wide = [], [], 0, 0
+    for i in order:
+        h, w = regions[i][2:]
+        if group and (len(group) + 1) * max(tall, h) * max(wide, w) > budget:
+            groups.append(group)
+            group, tall, wide = [], 0, 0
+        group.append(i)
+        tall, wide = max(tall, h), max(wide, w)
+    return groups + [group] if group else groups
+
+
+def resample_batch(pictures, boxes, shapes, size, train=True, interpolation="bilinear",
+                   dtype=torch.float32, budget=CANVAS_BUDGET):
+    """Crop every picture (uint8 CHW, any size, one device) to its box, resize to size x size,
+    flip where the box says; returns (n, 3, size, size) in dtype, rounded to integers 0..255 as
+    the uint8 images of the cpu backend are. boxes: float64 (n, 5) CPU; shapes: int64 (n, 2) CPU.
+    """
+    device = pictures[0].device
+    regions = _regions(boxes, shapes, train)
+    outputs, order = [], []
+    for group in _chunks(regions, budget):
+        outputs.append(_resample_chunk([pictures[i] for i in group], boxes[group], [regions[i] for i in group],
+                                       size, interpolation, dtype))
+        order += group
+    out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    if order != sorted(order):  # back to batch order (index_select: deterministic on CUDA)
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        out = out.index_select(0, inverse.to(device))
+    return out.round_().clamp_(0, 255)
+
+
+def _canvas(crops, tall, wide, dtype):
+    """The crops zero-padded into one (n, 3, tall, wide) tensor. A nested tensor gathers them
+    with its copy loop in C++; a Python loop of 256 slice assignments costs several ms of host
+    time on CUDA. The loop stays as the fallback for builds whose nested tensors lack an op."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
+            nested = torch.nested.as_nested_tensor(crops)
+        return nested.to_padded_tensor(0, (len(crops), 3, tall, wide)).to(dtype)
+    except (RuntimeError, NotImplementedError):
+        canvas = torch.zeros(len(crops), 3, tall, wide, dtype=dtype, device=crops[0].device)
+        for k, crop in enumerate(crops):
+            canvas[k, :, :crop.shape[1], :crop.shape[2]] = crop
+        return canvas
+
+
+def _resample_chunk(pictures, boxes, regions, size, interpolation, dtype):
+    device = pictures[0].device
+    tall, wide = max(r[2] for r in regions), max(r[3] for r in regions)
+    canvas = _canvas([picture[:, top:top + h, left:left + w] for picture, (top, left, h, w) in zip(pictures, regions)],
+                     tall, wide, dtype)
+    local = boxes.clone()
+    local[:, 0] -= torch.tensor([r[0] for r in regions], dtype=torch.float64)
+    local[:, 1] -= torch.tensor([r[1] for r in regions], dtype=torch.float64)
+    clips = torch.tensor([r[2:] for r in regions], dtype=torch.float64)
+    local, clips = local.to(device), clips.to(device)  # float64: box edges and centres stay exact
+    rows = axis_weights(local[:, 0], local[:, 2], size, clips[:, 0], tall, interpolation)
+    cols = axis_weights(local[:, 1], local[:, 3], size, clips[:, 1], wide, interpolation)
+    cols = torch.where(local[:, 4, None, None] > 0.5, cols.flip(1), cols)  # hflip: mirror the output columns
+    rows, cols = rows.to(dtype)[:, None], cols.to(dtype)[:, None].transpose(-1, -2)
+    return torch.matmul(torch.matmul(rows, canvas), cols)
+
+
+def reference_crop(picture, box, size, train=True, interpolation="bilinear"):
+    """One image through torchvision's tensor transforms (antialiased): the per-image path the
+    batched resample_batch is checked against. Returns uint8 (3, size, size)."""
+    top, left, height, width, flip = box
+    mode = InterpolationMode(interpolation)
+    if train:
+        out = F.resized_crop(picture, int(top), int(left), int(height), int(width), [size, size],
+                             interpolation=mode, antialias=True)
+    else:
+        full_h, full_w = picture.shape[-2:]
+        new_h, new_w = round(full_h * size / height), round(full_w * size / width)
+        out = F.resize(picture, [new_h, new_w], interpolation=mode, antialias=True)
+        out = F.crop(out, round(top * new_h / full_h), round(left * new_w / full_w), size, size)
+    return F.hflip(out) if flip else out
+
+
+# ----------------------------------------------------------------------------- main-process side
+
+class GpuBatchDecoder:
+    """Packed batch -> (images float (n, 3, S, S) normalised, channels_last if asked; targets int64).
+
+    device cuda: nvJPEG (torchvision.io.decode_jpeg on a list) for the JPEG payloads, fp16
+    resampling matmuls; device cpu: the same with torchvision's CPU decoder and fp32 (the tests).
+    name_of(index) names a dataset file in errors; cpu_fallback(bytes, name) -> HWC uint8 decodes
+    a file nvJPEG refused although its header looked fine. train selects where the resampling
+    kernels stop: at the crop box (train: crop, then resize) or at the image edge (val: resize,
+    then centre crop; give it utils.crops.CenterBoxes boxes).
+    """
+
+    def __init__(self, device, image_size, mean, std, channels_last=False, cpu_fallback=pil_rgb,
+                 name_of=str, interpolation="bilinear", train=True):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.size, self.train, self.interpolation = image_size, train, interpolation
+        self.cpu_fallback, self.name_of = cpu_fallback, name_of
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        # fp16 holds 0..255 exactly and halves the canvas traffic; the CPU has no fast fp16 matmul.
+        self.dtype = torch.float16 if self.cuda else torch.float32
+        self.mean = torch.tensor([m * 255 for m in mean], device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor([s * 255 for s in std], device=self.device).view(1, 3, 1, 1)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def __call__(self, packed):
+        if not self.cuda:
+            return self._run(packed)
+        # Stream ordering, pytorch/vision#9606: decode_jpeg(device="cuda") allocates its outputs
+        # on the current stream, then lets nvJPEG write them from a private stream that does not
+        # wait for that stream, so a block freed there while queued kernels still read it can be
+        # overwritten. We therefore decode on a stream of our own and synchronise it first: the
+        # only work ever queued on it is our previous batch's resampling (decode_jpeg already
+        # blocks the host, so this wait costs nothing), and the training stream is never
+        # host-synchronised. The consumer (the stream current at the call: the one the step runs
+        # on) then waits for this stream, and record_stream keeps our allocator from reusing the
+        # batch's memory until the consumer is done with it.
+        consumer = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            self.stream.synchronize()
+            images, targets = self._run(packed)
+        consumer.wait_stream(self.stream)
+        images.record_stream(consumer)
+        targets.record_stream(consumer)
+        return images, targets
+
+    def _run(self, packed):
+        pictures = self.decode(packed)
+        pixels = resample_batch(pictures, packed.boxes, packed.shapes, self.size, self.train,
+                                self.interpolation, self.dtype)
+        images = pixels.float().contiguous(memory_format=self.memory_format)
+        images.sub_(self.mean).div_(self.std)
+        return images, packed.labels.to(self.device, non_blocking=True)
+
+    def decode(self, packed):
+        """The batch's images as uint8 CHW tensors on the device, in batch order."""
+        payloads = unpack(packed.buffer, packed.offsets)
+        raw, shapes = packed.raw.tolist(), packed.shapes.tolist()
+        pictures = [None] * len(payloads)
+        jpegs = [i for i, is_raw in enumerate(raw) if not is_raw]
+        if jpegs:
+            decoded = self._decode_jpegs([payloads[i] for i in jpegs], packed.indices[jpegs].tolist())
+            for i, picture in zip(jpegs, decoded):
+                pictures[i] = picture
+        for i in (i for i, is_raw in enumerate(raw) if is_raw):
+            height, width = shapes[i]
+            pictures[i] = payloads[i].view(height, width, 3).permute(2, 0, 1).to(self.device, non_blocking=True)
+        return pictures
+
+    def _decode_jpegs(self, payloads, indices):
+        try:
+            return decode_jpeg(payloads, mode=ImageReadMode.RGB, device=self.device)
+        except RuntimeError:
+            # One file the decoder refuses fails the whole batched call: retry one by one, and give
+            # the refused ones to the CPU decoder (which raises the UsageError if PIL cannot either).
+            return [self._decode_one(payload, index) for payload, index in zip(payloads, indices)]
+
+    def _decode_one(self, payload, index):
+        try:
+            return decode_jpeg(payload, mode=ImageReadMode.RGB, device=self.device)
+        except RuntimeError:
+            pixels = self.cpu_fallback(payload.numpy().tobytes(), self.name_of(index))
+            return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).to(self.device)
+
+
+class GpuBatches:
+    """A loader of Packed batches seen through a GpuBatchDecoder: len() and (images, targets),
+    the contract utils.batches.DevicePrefetcher offers.
+
+    On CUDA a decode thread works AHEAD batches ahead: decode_jpeg holds the calling thread until
+    nvJPEG is done (tens of ms a batch), and in the main thread that time would be taken from
+    launching the training step. torch ops release the GIL, so the two threads overlap. Order on
+    the device is still kept by streams: the decoder makes the stream current in the thread that
+    asked (the default stream, which the step runs on) wait for its own stream (see
+    GpuBatchDecoder.__call__), and the step is queued only after the batch came out of the queue.
+    An error in the thread (a corrupt file: UsageError) is raised again in the training loop.
+    """
+
+    AHEAD = 2
+
+    def __init__(self, loader, decoder):
+        self.loader, self.decoder = loader, decoder
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        if not self.decoder.cuda:
+            for packed in self.loader:
+                yield self.decoder(packed)
+            return
+        yield from _ahead(self.loader, self.decoder, self.AHEAD)
+
+
+def _ahead(loader, decode, depth):
+    """Iterate decode(item) for the loader's items, computed in a thread depth items ahead."""
+    import queue
+    import threading
+
+    done = object()
+    results = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work():
+        try:
+            for item in loader:
+                if stop.is_set():
+                    return
+                results.put((decode(item), None))
+        except BaseException as err:  # handed to the consumer, raised there
+            results.put((None, err))
+            return
+        results.put((done, None))
+
+    thread = threading.Thread(target=work, name="gpu-decode", daemon=True)
+    thread.start()
+    try:
+        while True:
+            value, err = results.get()
+            if err is not None:
+                raise err
+            if value is done:
+                return
+            yield value
+    finally:
+        stop.set()
+        while thread.is_alive():  # let the worker see the flag, emptying what it still puts
+            try:
+                results.get(timeout=0.1)
+            except queue.Empty:
+                pass
