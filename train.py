@@ -24,7 +24,8 @@ from utils.errors import Diverged, exit_on_usage_error
 from utils.logs import Progress, RunLog, tracker_kwargs
 from utils.preemption import StopOnSignal, stopped_line
 from utils.profiling import NoPhases, NvtxWindow
-from utils.setup import build_or_resume, make_accelerator, parse_args, prepare_output_dir, warn
+from utils.recipe import build_batch_augment, build_criterion, check_ingredient_flags, ema_state_dict
+from utils.setup import build_or_resume, global_batch, make_accelerator, parse_args, prepare_output_dir, warn
 
 
 def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
@@ -36,9 +37,10 @@ def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec
         "epoch": epoch,
         "step": next_step,
         "mid_epoch": next_step > 0,  # resumes inside "epoch", at "step" of the same shuffle
-        "global_batch": args.batch_size * accelerator.num_processes,  # what "step" counts in
+        "global_batch": global_batch(args, accelerator),  # what "step" counts in (x --accum-steps)
         "arch": args.arch,
         "state_dict": precision.fp32_state_dict(plain_module(model)),
+        **({"state_dict_ema": ema_state_dict(precision.ema)} if precision.ema is not None else {}),
         "optimizer": optimizer.state_dict(),
         "loss_scale": precision.state_dict(),
         "best_prec1": best_prec1,
@@ -53,6 +55,7 @@ def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec
 
 def main(argv=None):
     args = parse_args(add_log_args(build_parser(description=__doc__.splitlines()[0])), argv)
+    check_ingredient_flags(args)
     accelerator, recipe, notes = make_accelerator(args, **tracker_kwargs(args))
     prepare_output_dir(args, accelerator)  # created, writable, no other run's files: before any work
     for note in notes:
@@ -67,17 +70,18 @@ def main(argv=None):
         inside = f", step {args.start_step}" if args.start_step else ""  # a mid-epoch checkpoint
         log(f"=> resumed {args.resume!r} at epoch {args.start_epoch}{inside} (best Prec@1 {best_prec1:.3f})")
 
-    global_batch = args.batch_size * accelerator.num_processes
     log(f"=> {args.arch} on {source_kind(args.data) if args.data in (None, 'digits', 'synthetic') else args.data}"
         f" | {num_classes} classes | {accelerator.num_processes} process(es) on {accelerator.device.type}"
-        f" | global batch {global_batch} | lr {args.lr * global_batch / 256:g}")
+        f" | global batch {global_batch(args, accelerator)} | lr {args.lr * global_batch(args, accelerator) / 256:g}")
     log(recipe.describe())
     log(args.input_line)
-    criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
-
+    criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)  # validation: hard targets
     if args.evaluate:
         validate(model, data, precision, accelerator, args, criterion, log, progress)
         return
+    # The ingredients on the device batch and the loss (utils/recipe.py); None/plain CE by default.
+    augment = build_batch_augment(args, accelerator.device, num_classes)
+    train_criterion = build_criterion(args.label_smoothing, augment is not None and augment.mixup is not None)
 
     resolved = {"opt_level": recipe.opt_level, "mixed_precision": recipe.dtype_name,  # what ran, for args.yaml
                 "num_classes": num_classes, "data": args.data or "digits"}
@@ -118,9 +122,9 @@ def main(argv=None):
     stop = StopOnSignal(announce=accelerator.is_main_process)  # SIGTERM/SIGINT: finish the step first
     with stop.installed():
         for epoch, first_step in training_epochs(args, data, accelerator):
-            trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
+            trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, train_criterion,
                                       phases, log, progress, first_step, stop,
-                                      every_n_steps if args.save_every_steps else None)
+                                      every_n_steps if args.save_every_steps else None, augment)
             if trained.diverged:
                 raise Diverged(diverged_message(trained.diverged, epoch, trained.step, steps, trained.lr,
                                                 last_good))
@@ -131,8 +135,12 @@ def main(argv=None):
                     break
                 continue  # the window lies in a later epoch (NvtxWindow counts steps across epochs)
             result = validate(model, data, precision, accelerator, args, criterion, log, progress)
-            is_best = result.top1 > best_prec1  # False for a NaN top-1
-            best_prec1 = result.top1 if is_best else best_prec1
+            if precision.ema is not None:  # after the model's line, which Apex's log readers expect first
+                ema_result = validate(precision.ema.module, data, precision, accelerator, args, criterion,
+                                      log, progress, label="EMA")
+            judged = ema_result if args.model_ema_best else result  # model_best follows the EMA only if asked
+            is_best = judged.top1 > best_prec1  # False for a NaN top-1
+            best_prec1 = judged.top1 if is_best else best_prec1
             path = save(epoch + 1, 0, is_best, lr=trained.lr)
             run_log.epoch(epoch, trained, result, optimizer)
             if epoch + 1 < args.epochs and stop.agreed(accelerator):  # a signal during validation or the save

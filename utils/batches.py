@@ -18,6 +18,7 @@ from torchvision import transforms
 from .crops import PilTrainCrop
 from .errors import UsageError
 from .preemption import ignore_stop_signals_in_worker
+from .recipe import augment_transform
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -39,11 +40,12 @@ class SeededSamples(torch.utils.data.Dataset):
     """Applies the dataset's keyed train crop (train_transform) with the sample's (seed, epoch,
     index), after seeding torch's RNG from the same key for any further random transform."""
 
-    def __init__(self, dataset, seed):
+    def __init__(self, dataset, seed, extra=None):
         self.dataset = dataset
         self.seed = seed
         self.crop = dataset.transform  # a PilTrainCrop: it needs the key, so the dataset must not call it
         dataset.transform = None
+        self.extra = extra  # --aa: a PIL policy after the crop and flip (utils.recipe.augment_transform)
 
     def __len__(self):
         return len(self.dataset)
@@ -52,7 +54,8 @@ class SeededSamples(torch.utils.data.Dataset):
         index, epoch = key
         torch.manual_seed(((self.seed * 1_000_003 + epoch) * 10_000_019 + index) % (2 ** 63))
         image, label = self.dataset[index]
-        return self.crop(image, self.seed, epoch, index), label
+        image = self.crop(image, self.seed, epoch, index)
+        return (self.extra(image) if self.extra is not None else image), label
 
 
 class ShardedEpochSampler(torch.utils.data.Sampler):
@@ -181,13 +184,19 @@ def sharded_data(train_set, val_set, num_classes, args, accelerator, mean, std):
     sampler = None
     if train_set is not None:
         sampler = ShardedEpochSampler(len(train_set), args.batch_size, rank, world, args.seed)
+    aa = getattr(args, "aa", "none") if train_set is not None else "none"
     if getattr(args, "data_backend", "cpu") == "gpu":
+        if aa not in (None, "", "none"):
+            raise UsageError(f"--aa {aa}: the gpu data backend decodes and crops on the GPU and has no PIL "
+                             "stage for augmentation policies (--data-backend auto picks it for ImageFolder "
+                             "data on CUDA); use --data-backend cpu")
         train, val = gpu_backend(train_set, val_set, sampler, val_indices, args, device, mean, std)
     else:
         val = DevicePrefetcher(_loader(val_set, val_indices, args, device), device, mean, std, args.channels_last)
         train = None
         if train_set is not None:
-            train = DevicePrefetcher(_loader(SeededSamples(train_set, args.seed), sampler, args, device),
+            extra = augment_transform(aa, args.image_size, mean, args.interpolation or "bilinear")
+            train = DevicePrefetcher(_loader(SeededSamples(train_set, args.seed, extra), sampler, args, device),
                                      device, mean, std, args.channels_last)
     return Data(train, val, num_classes, len(val_set), sampler, getattr(val_set, "classes", None))
 

@@ -374,9 +374,57 @@ def add_checkpoint_args(parser):
     return group
 
 
+def probability(text):
+    value = finite_float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
+    return value
+
+
+def add_ingredient_args(parser):
+    """train.py's recipe ingredients (utils/recipe.py); every default keeps Apex's recipe."""
+    group = parser.add_argument_group("recipe ingredients (defaults: Apex's recipe)")
+    group.add_argument("--label-smoothing", type=non_negative_float, default=0.0, metavar="F",
+                       help="label smoothing of the training loss, in [0, 1) (default: 0)")
+    group.add_argument("--mixup", type=non_negative_float, default=0.0, metavar="A",
+                       help="mixup Beta alpha (timm Mixup, per batch; -b must be even); 0 is off (default: 0)")
+    group.add_argument("--cutmix", type=non_negative_float, default=0.0, metavar="A",
+                       help="cutmix Beta alpha (timm Mixup); 0 is off (default: 0)")
+    group.add_argument("--mixup-switch-prob", type=probability, default=0.5, metavar="P",
+                       help="with --mixup and --cutmix both on, the chance a batch uses cutmix (default: 0.5)")
+    group.add_argument("--aa", default="none", metavar="POLICY",
+                       help="augmentation policy after crop + flip, as timm spells it (rand-m9-mstd0.5-inc1, "
+                            "augmix-m5-w4-d2, v0, original) or ta_wide (TrivialAugmentWide); cpu data "
+                            "backend only (default: none)")
+    group.add_argument("--reprob", type=probability, default=0.0, metavar="P",
+                       help="random erasing probability per image (timm RandomErasing, on the device) (default: 0)")
+    group.add_argument("--model-ema", action="store_true",
+                       help="keep an EMA of the weights (timm ModelEmaV3), validated every epoch beside the "
+                            "model and saved in checkpoints as state_dict_ema (default: off)")
+    group.add_argument("--model-ema-decay", type=positive_float, default=0.9998, metavar="D",
+                       help="EMA decay per optimizer step, in (0, 1) (default: 0.9998)")
+    group.add_argument("--model-ema-best", action="store_true",
+                       help="with --model-ema: model_best.pth.tar follows the EMA's top-1 rather than the "
+                            "model's (default: off)")
+    group.add_argument("--opt", choices=("sgd", "nesterov", "adamw", "lamb"), default="sgd",
+                       help="optimizer: torch SGD (nesterov: with Nesterov momentum), torch AdamW, timm Lamb "
+                            "(default: sgd)")
+    group.add_argument("--no-wd-norm-bias", action="store_true",
+                       help="no weight decay on norm weights and biases (1-D parameters) (default: off)")
+    group.add_argument("--clip-grad", type=positive_float, default=None, metavar="N",
+                       help="clip the global grad norm to N after unscaling, at every opt level (default: off)")
+    group.add_argument("--accum-steps", type=positive_int, default=1, metavar="N",
+                       help="gradient accumulation: one optimizer step per N batches, as one batch of N x -b "
+                            "(the LR scales with -b x processes x N; steps count optimizer steps) (default: 1)")
+    group.add_argument("--min-lr", type=non_negative_float, default=0.0, metavar="LR",
+                       help="absolute floor of the cosine and step schedules (default: 0)")
+    return group
+
+
 def build_parser(description, prog=None):
     """train.py's parser (less its --log-with): the training flags and the optional --prof."""
     parser = build_training_parser(description, prog)
+    add_ingredient_args(parser)
     add_checkpoint_args(parser)
     add_prof_args(parser)
     return parser

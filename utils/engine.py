@@ -9,27 +9,33 @@ step of the same shuffle, the LR schedule at that step, and the seed of dropout 
 function of (seed, epoch, step, rank), so nothing about the RNG needs saving.
 """
 import math
+import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .compiled import eval_module
+from .errors import UsageError
 from .logs import NoProgress
 from .precision import MAX_NONFINITE_STEPS
 from .preemption import NoStop
 from .profiling import NoPhases
+from .recipe import micro_batch_context
 
 
 def learning_rate(args, epoch, step, steps_per_epoch, global_batch):
     """Apex schedule: lr x global_batch/256, linear warmup, x0.1 at each milestone in --lr-steps
-    the epoch has reached (30, 60, 80 for ImageNet), or cosine to 0."""
-    lr = args.lr * global_batch / 256.0
+    the epoch has reached (30, 60, 80 for ImageNet), or cosine to --min-lr (default 0). --min-lr
+    is an absolute LR (timm's meaning, not scaled by the batch): the floor of both schedules."""
+    peak = args.lr * global_batch / 256.0
+    min_lr = min(getattr(args, "min_lr", 0.0), peak)
     if args.lr_schedule == "step":
-        lr *= 0.1 ** sum(1 for milestone in args.lr_steps if epoch >= milestone)
+        lr = max(peak * 0.1 ** sum(1 for milestone in args.lr_steps if epoch >= milestone), min_lr)
     else:
         progress = (epoch * steps_per_epoch + step) / float(args.epochs * steps_per_epoch)
-        lr *= 0.5 * (1.0 + math.cos(math.pi * progress))
+        lr = min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if epoch < args.warmup_epochs:
         lr *= (1 + step + epoch * steps_per_epoch) / float(args.warmup_epochs * steps_per_epoch)
     return lr
@@ -111,16 +117,25 @@ def _scale_fields(precision):
 
 
 def steps_per_epoch(data, args):
-    steps = len(data.train)
+    """Optimizer steps per epoch. With --accum-steps N a step takes N loader batches, so an epoch
+    has len // N steps (a last group of fewer than N batches is dropped, as the big batch's
+    drop_last would); --steps-per-epoch and every step number (logs, LR schedule,
+    --save-every-steps, mid-epoch checkpoints) count optimizer steps."""
+    accum = getattr(args, "accum_steps", 1)
+    steps = len(data.train) // accum
+    if steps == 0:
+        raise UsageError(f"--accum-steps {accum} needs at least {accum} batches per epoch; this process "
+                         f"has {len(data.train)}: lower --accum-steps or --batch-size")
     return min(steps, args.steps_per_epoch) if args.steps_per_epoch else steps
 
 
 def training_epochs(args, data, accelerator):
     """(epoch, first step) for the epochs left to run: from args.start_epoch, the first of them
-    from args.start_step (a mid-epoch checkpoint), with the sampler set to that position."""
+    from args.start_step (a mid-epoch checkpoint), with the sampler set to that position (in
+    loader batches: N per optimizer step with --accum-steps N)."""
     for epoch in range(args.start_epoch, args.epochs):
         first_step = getattr(args, "start_step", 0) if epoch == args.start_epoch else 0
-        data.set_epoch(epoch, first_step)
+        data.set_epoch(epoch, first_step * getattr(args, "accum_steps", 1))
         yield epoch, first_step
 
 
@@ -132,14 +147,21 @@ def step_seed(seed, epoch, step, rank):
 
 def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
                     phases=NoPhases(), log=print, progress=NoProgress(), first_step=0, stop=NoStop(),
-                    on_step=None):
+                    on_step=None, augment=None):
     """Train one epoch from first_step. Stops early, at a step every process agrees on, when
     stop.requested (returns next_step) or when the run diverged (returns diverged). on_step(epoch,
-    next_step) runs after each step (train.py's --save-every-steps)."""
+    next_step) runs after each step (train.py's --save-every-steps). augment: utils.recipe's
+    BatchAugment (random erasing, mixup/cutmix) on the device batch, or None; criterion then
+    takes its soft targets, while top-1/top-5 count against the hard ones.
+
+    --accum-steps N: each step runs N micro-batches (forward + backward of loss / N, under
+    micro_batch_context so DDP all-reduces only the last), then one Precision.step: one unscale,
+    one overflow check and skip, one clip, one loss-scale update, as for one batch of N x b."""
     model.train()
     steps = steps_per_epoch(data, args)
     world = accelerator.num_processes
-    global_batch = args.batch_size * world
+    accum = getattr(args, "accum_steps", 1)
+    global_batch = args.batch_size * world * accum
     max_nonfinite = getattr(args, "max_nonfinite_steps", None) or MAX_NONFINITE_STEPS
     meter = DeviceMeter(accelerator.device, data.num_classes)
     epoch_start = interval_start = time.perf_counter()
@@ -150,21 +172,30 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
     step = first_step - 1
     for step in range(first_step, steps):
         phases.begin_step(step)
-        with phases.range("prefetcher.next()"):  # Apex's NVTX range names, kept for nsys users
-            images, target = next(batches)
-        torch.manual_seed(step_seed(args.seed, epoch, step, accelerator.process_index))
+        seed = step_seed(args.seed, epoch, step, accelerator.process_index)
+        torch.manual_seed(seed)
+        random.seed(seed)  # timm's random erasing and mixup draw from Python's and NumPy's RNGs
+        np.random.seed(seed % 2 ** 32)
         lr = learning_rate(args, epoch, step, steps, global_batch)
         set_learning_rate(optimizer, lr)
-        with phases.range("forward"):
-            with precision.autocast():
-                output = model(images)
-                loss = criterion(output, target)
-        with phases.range("backward"):
-            precision.backward(loss, accelerator)
+        for micro in range(accum):
+            with phases.range("prefetcher.next()"):  # Apex's NVTX range names, kept for nsys users
+                images, target = next(batches)
+            soft = target
+            if augment is not None:
+                images, soft = augment(images, target)
+            with micro_batch_context(accelerator, model, micro, accum):  # forward too: DDP decides there
+                with phases.range("forward"):
+                    with precision.autocast():
+                        output = model(images)
+                        loss = criterion(output, soft)
+                with phases.range("backward"):
+                    precision.backward(loss / accum if accum > 1 else loss, accelerator)
+            meter.update(loss, output, target)
         with phases.range("optimizer.step()"):
             precision.step(optimizer)
+            precision.update_ema(model)
             precision.zero_grad(model, optimizer)
-        meter.update(loss, output, target)
         progress.advance(global_batch)
         interval_steps += 1
         last = step + 1 == steps
@@ -219,8 +250,9 @@ def share_buffers_from_main(model, accelerator):
 
 
 @torch.no_grad()
-def validate(model, data, precision, accelerator, args, criterion, log=print, progress=NoProgress()):
+def validate(model, data, precision, accelerator, args, criterion, log=print, progress=NoProgress(), label=""):
     """Top-1/top-5/loss over the whole val split, every image counted once across processes.
+    label: a word for the summary line (" * EMA Prec@1 ..." for the --model-ema weights).
 
     The model is used unwrapped (no DDP collectives), because processes may hold one batch more
     or less than each other. Progress lines show this process's running figures; the final line
@@ -248,7 +280,7 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
     progress.end()
     _, total = meter.read(accelerator)
     seconds = time.perf_counter() - start
-    log(f" * Prec@1 {total['top1']:.3f} Prec@5 {total['top5']:.3f}")
+    log(f" * {label + ' ' if label else ''}Prec@1 {total['top1']:.3f} Prec@5 {total['top5']:.3f}")
     return EpochResult(total["loss"], total["top1"], total["top5"], total["count"], seconds,
                        total["count"] / max(seconds, 1e-9))
 

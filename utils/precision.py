@@ -328,6 +328,10 @@ class Precision:
             model.register_forward_hook(lambda module, args, output: _cast_floats(output, torch.float32))
         # O2: fp32 masters for the half params; fp32 params (kept BatchNorm) are their own masters.
         self.master_of = {p: copy for p, copy in fp32_copies.items() if p.dtype != torch.float32}
+        # Set by utils.setup.build_training_state from the recipe flags:
+        self.clip_grad = None          # --clip-grad: max global grad norm, clipped after unscaling
+        self.skips_on_device = True    # False for an optimizer that ignores found_inf (timm's Lamb)
+        self.ema = None                # --model-ema: timm ModelEmaV3 over the fp32 weights
 
     def optimizer_params(self):
         """What the optimizer updates: fp32 masters at O2, the model's own parameters otherwise."""
@@ -362,11 +366,29 @@ class Precision:
             found_inf = self.scaler.unscale_and_check(grads)
         else:
             found_inf = self.guard.check(grads)
-        raw.found_inf = found_inf  # read by the fused SGD kernel: it leaves everything as is when 1
-        optimizer.step()
+        if self.clip_grad:
+            # After unscaling (masters at O2), so N bounds the true gradient. On an overflow step the
+            # norm is inf and the grads become 0/NaN: harmless, the step is skipped on found_inf,
+            # which was computed before clipping.
+            torch.nn.utils.clip_grad_norm_([p for p in self.optimizer_params() if p.grad is not None],
+                                           self.clip_grad, foreach=True)
+        if self.skips_on_device:
+            raw.found_inf = found_inf  # read by the fused SGD/AdamW kernels: they leave everything as is when 1
+            optimizer.step()
+        elif not bool(found_inf.item()):  # Lamb ignores found_inf: skip on the host (one sync a step)
+            optimizer.step()
         self.guard.update(found_inf)
         if self.master_of:
             torch._foreach_copy_(list(self.master_of), list(self.master_of.values()))
+
+    @torch.no_grad()
+    def update_ema(self, model):
+        """--model-ema: move the EMA towards the fp32 weights (the masters at O2) after a step. A
+        skipped step leaves the weights as they were, so the EMA only moves towards the same point."""
+        if self.ema is not None:
+            from .compiled import plain_module
+            from .recipe import update_ema
+            update_ema(self.ema, plain_module(model), self.master_of)
 
     def zero_grad(self, model, optimizer):
         optimizer.zero_grad(set_to_none=True)

@@ -179,7 +179,8 @@ def param_groups(model, weight_decay, no_wd_norm_bias=False, param_of=None):
     return [dict(group, params=[param_of(p) for p in group["params"]]) for group in groups]
 
 
-def build_optimizer(name, params, lr, momentum=0.9, weight_decay=1e-4, no_wd_norm_bias=False, param_of=None):
+def build_optimizer(name, params, lr, momentum=0.9, weight_decay=1e-4, no_wd_norm_bias=False, param_of=None,
+                    clip_grad=None):
     """--opt: sgd | nesterov (torch SGD, fused) | adamw (torch AdamW, fused) | lamb (timm Lamb).
 
     params: an nn.Module (grouped by param_groups, so no_wd_norm_bias can use the names), or
@@ -193,8 +194,8 @@ def build_optimizer(name, params, lr, momentum=0.9, weight_decay=1e-4, no_wd_nor
     params and moments) would still count the skipped step. So for lamb the step is skipped on the
     host: step_skipping_overflow reads found_inf (one sync per optimizer step, only when a loss
     scaler produced a found_inf: fp16, or O3). Lamb also clips the global grad norm at 1.0 by
-    default (NVLAMB's recipe); with --clip-grad the wiring should pass max_grad_norm=None to
-    avoid clipping twice (we keep timm's default here).
+    default (NVLAMB's recipe); with clip_grad (--clip-grad, clipped by Precision.step) it gets
+    max_grad_norm=None, so the grads are not clipped twice.
     """
     if name not in OPTIMIZERS:
         raise UsageError(f"--opt {name!r}: choose one of {', '.join(OPTIMIZERS)}")
@@ -217,7 +218,8 @@ def build_optimizer(name, params, lr, momentum=0.9, weight_decay=1e-4, no_wd_nor
     if name == "adamw":
         return BuiltOptimizer(torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True), True)
     from timm.optim import Lamb
-    return BuiltOptimizer(Lamb(params, lr=lr, weight_decay=weight_decay), False)
+    lamb_clip = {"max_grad_norm": None} if clip_grad else {}
+    return BuiltOptimizer(Lamb(params, lr=lr, weight_decay=weight_decay, **lamb_clip), False)
 
 
 def step_skipping_overflow(built, found_inf):
@@ -314,3 +316,43 @@ def micro_batch_context(accelerator, model, micro_step, accum_steps):
     if (micro_step + 1) % accum_steps == 0:
         return contextlib.nullcontext()
     return accelerator.no_sync(model)
+
+
+# --- the batch ingredients, together -------------------------------------------------------
+
+class BatchAugment:
+    """Random erasing, then mixup/cutmix, on the normalised device batch (timm's order: erasing
+    belongs to the sample, mixing to the batch). `images, soft = augment(images, target)`; the
+    hard target stays with the caller for top-1/top-5. Draws from Python's `random` and NumPy
+    (timm's pieces do), which utils.engine seeds per step, so a resumed run repeats them."""
+
+    def __init__(self, erase=None, mixup=None):
+        self.erase, self.mixup = erase, mixup
+
+    def __call__(self, images, target):
+        if self.erase is not None:
+            images = self.erase(images)
+        if self.mixup is not None:
+            images, target = self.mixup(images, target)
+        return images, target
+
+
+def build_batch_augment(args, device, num_classes):
+    """BatchAugment from --reprob and --mixup/--cutmix/--mixup-switch-prob/--label-smoothing, or
+    None when all are off (the Apex recipe)."""
+    erase = build_random_erasing(getattr(args, "reprob", 0.0), device)
+    mixup = build_mixup(getattr(args, "mixup", 0.0), getattr(args, "cutmix", 0.0),
+                        getattr(args, "mixup_switch_prob", 0.5), getattr(args, "label_smoothing", 0.0),
+                        num_classes, args.batch_size)
+    return BatchAugment(erase, mixup) if erase is not None or mixup is not None else None
+
+
+def check_ingredient_flags(args):
+    """Refuse flags that would be parsed and do nothing: the EMA's options without --model-ema,
+    --mixup-switch-prob without both alphas."""
+    if not args.model_ema and (args.model_ema_best or args.model_ema_decay != 0.9998):
+        raise UsageError("--model-ema-decay and --model-ema-best need --model-ema")
+    if args.mixup_switch_prob != 0.5 and not (args.mixup and args.cutmix):
+        raise UsageError("--mixup-switch-prob chooses between mixup and cutmix: it needs --mixup and --cutmix > 0")
+    if args.model_ema and not 0.0 < args.model_ema_decay < 1.0:
+        raise UsageError(f"--model-ema-decay must be in (0, 1), got {args.model_ema_decay}")

@@ -13,7 +13,8 @@ from .compiled import compile_model, resolve_compile
 from .errors import UsageError, first_line
 from .files import TEMP_PREFIX, atomic_write
 from .models import build_model, has_2d_convolutions, model_data_config
-from .precision import Precision, build_sgd, cpu_fp16_note, requested_mixed_precision, resolve_recipe
+from .precision import Precision, cpu_fp16_note, requested_mixed_precision, resolve_recipe
+from .recipe import build_ema, build_optimizer
 
 
 def parse_args(parser, argv=None):
@@ -254,7 +255,8 @@ def want_sync_bn(args, accelerator):
 
 
 def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None):
-    """Model (weights from checkpoint if any), precision recipe applied, SGD, all prepared."""
+    """Model (weights from checkpoint if any, EMA too), precision recipe applied, the --opt
+    optimizer, all prepared. Precision carries the step's ingredients: clip, skip, EMA."""
     torch.manual_seed(args.seed)
     model = build_model(args.arch, num_classes, args.pretrained)
     if checkpoint is not None:
@@ -263,10 +265,19 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(accelerator.device, memory_format=memory_format)
+    # The EMA copy is taken here, fp32 and before Precision casts the model and adds its hooks.
+    ema = build_ema(model, args.model_ema_decay) if getattr(args, "model_ema", False) else None
+    if ema is not None and checkpoint is not None and "state_dict_ema" in checkpoint:
+        ema.module.load_state_dict(checkpoint["state_dict_ema"])
     precision = Precision(recipe, model, accelerator.device.type)
-    params = precision.optimizer_params()
-    optimizer = build_sgd(params, args.lr, args.momentum, args.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    precision.ema = ema
+    precision.clip_grad = getattr(args, "clip_grad", None)
+    # --opt and --no-wd-norm-bias: grouped by the model's names, the optimizer holding the O2 masters.
+    built = build_optimizer(getattr(args, "opt", "sgd"), model, args.lr, args.momentum, args.weight_decay,
+                            getattr(args, "no_wd_norm_bias", False), param_of=lambda p: precision.master_of.get(p, p),
+                            clip_grad=precision.clip_grad)
+    precision.skips_on_device = built.skips_on_device
+    model, optimizer = accelerator.prepare(model, built.optimizer)
     if args.compile:  # after prepare: DDP's buckets see the compiled graph (utils/compiled.py)
         model = compile_model(model, args.compile, accelerator.print)
     return model, optimizer, precision
@@ -306,7 +317,7 @@ def resume_step(args, checkpoint, accelerator):
     step = checkpoint.get("step", 0)
     if not step:
         return 0
-    saved, now = checkpoint.get("global_batch"), args.batch_size * accelerator.num_processes
+    saved, now = checkpoint.get("global_batch"), global_batch(args, accelerator)
     if not isinstance(step, int) or step < 0 or not isinstance(saved, int):
         raise UsageError(f"checkpoint {args.resume!r} has a damaged mid-epoch position (step {step!r}, "
                          f"global batch {saved!r}); resume from an end-of-epoch checkpoint instead")
@@ -316,6 +327,12 @@ def resume_step(args, checkpoint, accelerator):
                          f"(--batch-size {args.batch_size} x {accelerator.num_processes} process(es)); "
                          f"resume with a global batch of {saved}")
     return step
+
+
+def global_batch(args, accelerator):
+    """Images per optimizer step: --batch-size x processes x --accum-steps (what the LR scales by
+    and what a checkpoint's mid-epoch step counts in)."""
+    return args.batch_size * accelerator.num_processes * getattr(args, "accum_steps", 1)
 
 
 def resume_checkpoint(args):

@@ -1,0 +1,134 @@
+"""The recipe ingredients wired into the loop (utils/recipe.py through utils/engine.py, utils/
+precision.py and train.py): each test asserts the ingredient's effect, on CPU, on tiny runs."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FINAL, QUICK, run_script
+from test_train import usage_error  # noqa: F401  (the in-process refusal fixture)
+from utils.engine import train_one_epoch
+from utils.errors import UsageError
+from utils.precision import Precision, resolve_recipe
+from utils.recipe import BatchAugment, build_criterion, build_mixup, build_optimizer
+
+
+class Batches:
+    """data.train for train_one_epoch: fixed (images, target) batches, as the prefetcher yields."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def run_engine(accelerator, batches, accum=1, lr=0.1, clip=None, criterion=None, momentum=0.0, opt="sgd"):
+    """One epoch of train_one_epoch at O0 over a bias-free-of-BN linear model; returns (model, result)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    recipe, _ = resolve_recipe("O0", None, None, None)
+    precision = Precision(recipe, model, "cpu")
+    precision.clip_grad = clip
+    built = build_optimizer(opt, model, lr, momentum=momentum, weight_decay=0.0)
+    precision.skips_on_device = built.skips_on_device
+    args = SimpleNamespace(batch_size=batches[0][0].size(0), accum_steps=accum, lr=lr * 256 / (
+        batches[0][0].size(0) * accum), lr_schedule="step", lr_steps=[100], epochs=1, warmup_epochs=0,
+        min_lr=0.0, steps_per_epoch=0, print_freq=1, seed=0)
+    data = SimpleNamespace(train=Batches(batches), num_classes=3)
+    result = train_one_epoch(model, data, built.optimizer, precision, accelerator, 0, args,
+                             criterion or nn.CrossEntropyLoss(), log=lambda line: None)
+    return model, result
+
+
+def batches_of(n, b, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, 3, 2, 2, generator=g), torch.randint(0, 3, (b,), generator=g)) for _ in range(n)]
+
+
+def test_accumulation_of_n_micro_batches_equals_one_big_batch(accelerator):
+    micro = batches_of(4, 4)
+    big = [(torch.cat([micro[0][0], micro[1][0]]), torch.cat([micro[0][1], micro[1][1]])),
+           (torch.cat([micro[2][0], micro[3][0]]), torch.cat([micro[2][1], micro[3][1]]))]
+    accumulated, result = run_engine(accelerator, micro, accum=2, momentum=0.9)
+    one_batch, _ = run_engine(accelerator, big, accum=1, momentum=0.9)
+    assert result.count == 16
+    for a, b in zip(accumulated.parameters(), one_batch.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    untrained, _ = run_engine(accelerator, micro[:2], accum=2, lr=1e-12)
+    assert not torch.allclose(untrained[1].weight, accumulated[1].weight)  # it did train
+
+
+def test_label_smoothing_changes_the_loss_by_the_smoothed_term(accelerator):
+    batch = batches_of(1, 8)
+    _, hard = run_engine(accelerator, batch, lr=1e-12)
+    _, smooth = run_engine(accelerator, batch, lr=1e-12, criterion=build_criterion(0.1))
+    torch.manual_seed(0)
+    logits = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))(batch[0][0])
+    expected = nn.functional.cross_entropy(logits, batch[0][1], label_smoothing=0.1).item()
+    assert smooth.loss == pytest.approx(expected, rel=1e-5)
+    assert smooth.loss != pytest.approx(hard.loss, rel=1e-3)
+
+
+def test_clip_grad_bounds_the_update(accelerator):
+    batch = [(100 * x, y) for x, y in batches_of(1, 8)]  # large inputs: large grads
+    lr = 0.5
+    torch.manual_seed(0)
+    before = [p.detach().clone() for p in nn.Sequential(nn.Flatten(), nn.Linear(12, 3)).parameters()]
+    clipped, _ = run_engine(accelerator, batch, lr=lr, clip=0.01)
+    free, _ = run_engine(accelerator, batch, lr=lr)
+    step = lambda model: torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), before)]).norm()
+    assert step(clipped) <= lr * 0.01 * 1.001
+    assert step(free) > 10 * lr * 0.01
+
+
+@pytest.mark.parametrize("opt", ["adamw", "lamb", "nesterov"])
+def test_other_optimizers_train(accelerator, opt):
+    batches = batches_of(1, 8) * 6
+    _, first = run_engine(accelerator, batches[:1], lr=1e-12, opt=opt, momentum=0.9)
+    _, trained = run_engine(accelerator, batches, lr=0.05, opt=opt, momentum=0.9)
+    assert trained.loss < first.loss  # the mean over 6 steps of the same batch falls
+
+
+def test_mixup_and_erasing_change_pixels_and_targets():
+    g = torch.Generator().manual_seed(0)
+    images, target = torch.randn(8, 3, 16, 16, generator=g), torch.arange(8) % 4
+    augment = BatchAugment(mixup=build_mixup(1.0, 0.0, num_classes=4, batch_size=8, label_smoothing=0.1))
+    mixed, soft = augment(images.clone(), target)
+    assert not torch.allclose(mixed, images)
+    assert soft.shape == (8, 4) and torch.allclose(soft.sum(1), torch.ones(8))
+    assert (soft.max(1).values < 1.0).all()  # mixed and smoothed, never one-hot
+
+
+def test_aa_refused_on_the_gpu_backend():
+    from utils.batches import sharded_data
+    args = SimpleNamespace(aa="rand-m9-mstd0.5", data_backend="gpu", batch_size=2, seed=0)
+    accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
+    with pytest.raises(UsageError, match="--data-backend cpu"):
+        sharded_data(list(range(4)), list(range(4)), 2, args, accel, (0.5,) * 3, (0.5,) * 3)
+
+
+def test_ema_is_evaluated_and_saved_beside_the_raw_model(cache_dir, tmp_path):
+    result = run_script("train.py", *QUICK, "--epochs", "1", "--model-ema", "--model-ema-decay", "0.5",
+                        "--opt", "adamw", "--lr", "0.01", "--no-wd-norm-bias", "--label-smoothing", "0.1",
+                        "--mixup", "0.2", "--cutmix", "1.0", "--reprob", "0.25", "--aa", "ta_wide",
+                        "--clip-grad", "5", "--accum-steps", "2", "--min-lr", "1e-5", "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    raw = [i for i, line in enumerate(lines) if FINAL.match(line)]
+    ema = [i for i, line in enumerate(lines) if line.startswith(" * EMA Prec@1")]
+    assert raw and ema and raw[0] < ema[0]  # the Apex line for the raw model comes first
+    checkpoint = torch.load(tmp_path / "checkpoint.pth.tar", map_location="cpu", weights_only=False)
+    raw_w, ema_w = checkpoint["state_dict"]["fc.weight"], checkpoint["state_dict_ema"]["fc.weight"]
+    assert ema_w.shape == raw_w.shape and not torch.allclose(ema_w, raw_w)
+    assert checkpoint["global_batch"] == 32  # -b 16 x 1 process x --accum-steps 2
+
+
+def test_ingredient_flags_refused_where_they_cannot_work(usage_error):
+    usage_error([*QUICK, "--model-ema-best"], "--model-ema")
+    usage_error([*QUICK, "--aa", "nonsense-policy"], "--aa")
+    usage_error([*QUICK, "-b", "15", "--mixup", "0.2"], "even")
