@@ -105,7 +105,7 @@ def main(argv=None):
         if accelerator.is_main_process:
             save_checkpoint(checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1,
                                              accelerator, num_classes, data.classes, next_step),
-                            is_best, args.output_dir)
+                            is_best, args.output_dir, keep=args.keep_checkpoints)
         last_good = os.path.join(args.output_dir, CHECKPOINT)
         return last_good
 
@@ -142,7 +142,7 @@ def main(argv=None):
             is_best = judged.top1 > best_prec1  # False for a NaN top-1
             best_prec1 = judged.top1 if is_best else best_prec1
             path = save(epoch + 1, 0, is_best, lr=trained.lr)
-            run_log.epoch(epoch, trained, result, optimizer)
+            run_log.epoch(epoch, trained, result, optimizer, ema_result if precision.ema is not None else None)
             if epoch + 1 < args.epochs and stop.agreed(accelerator):  # a signal during validation or the save
                 return stopped(path, epoch + 1, 0)
     run_log.finish()

@@ -132,3 +132,50 @@ def test_ingredient_flags_refused_where_they_cannot_work(usage_error):
     usage_error([*QUICK, "--model-ema-best"], "--model-ema")
     usage_error([*QUICK, "--aa", "nonsense-policy"], "--aa")
     usage_error([*QUICK, "-b", "15", "--mixup", "0.2"], "even")
+
+
+def test_drop_path_reaches_the_model_or_is_refused(usage_error):
+    from utils.models import build_model
+    model = build_model("timm/resnet18", 10, drop_path=0.1)
+    rates = [m.drop_prob for m in model.modules() if type(m).__name__ == "DropPath"]
+    assert rates and max(rates) == pytest.approx(0.1)
+    usage_error([*QUICK, "--drop-path", "0.1"], "--drop-path", "resnet18")
+
+
+def test_min_lr_floors_cosine_and_step_schedules():
+    from utils.engine import learning_rate
+    args = SimpleNamespace(lr=0.1, lr_schedule="cosine", lr_steps=[1, 2], epochs=3, warmup_epochs=0, min_lr=0.01)
+    assert learning_rate(args, 2, 99, 100, 256) == pytest.approx(0.01, rel=1e-3)
+    assert learning_rate(args, 0, 0, 100, 256) == pytest.approx(0.1)
+    args.lr_schedule = "step"
+    assert learning_rate(args, 2, 0, 100, 256) == pytest.approx(0.01)  # 0.001 without the floor
+    args.min_lr = 0.0
+    assert learning_rate(args, 2, 0, 100, 256) == pytest.approx(0.001)
+
+
+def test_no_wd_norm_bias_reaches_the_optimizer(accelerator, cache_dir):
+    from utils.cli import add_log_args, build_parser
+    from utils.setup import build_training_state, parse_args
+    args = parse_args(add_log_args(build_parser("t")), [*QUICK, "--no-wd-norm-bias", "--opt", "lamb"])
+    args.channels_last = False
+    recipe, _ = resolve_recipe("O0", None, None, None)
+    model, optimizer, precision = build_training_state(args, accelerator, recipe, 10)
+    decays = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    for name, param in model.named_parameters():
+        assert decays[id(param)] == (0.0 if param.ndim <= 1 else args.weight_decay), name
+    assert type(optimizer.optimizer).__name__ == "Lamb" and not precision.skips_on_device
+
+
+def test_ema_is_restored_on_resume(cache_dir, tmp_path):
+    first = run_script("train.py", *QUICK, "--epochs", "1", "--model-ema", "--model-ema-decay", "0.5",
+                       "--output-dir", tmp_path)
+    assert first.returncode == 0, first.stderr
+    saved = torch.load(tmp_path / "checkpoint.pth.tar", map_location="cpu", weights_only=False)["state_dict_ema"]
+    second = run_script("train.py", *QUICK, "--epochs", "2", "--model-ema", "--model-ema-decay", "0.5",
+                        "--lr", "1e-9", "--resume", tmp_path / "checkpoint.pth.tar", "--output-dir", tmp_path)
+    assert second.returncode == 0, second.stderr
+    after = torch.load(tmp_path / "checkpoint.pth.tar", map_location="cpu", weights_only=False)
+    # lr ~0: the weights stay; the EMA continued from the saved EMA rather than from the weights
+    raw, ema = after["state_dict"]["fc.weight"], after["state_dict_ema"]["fc.weight"]
+    assert not torch.allclose(ema, raw)
+    assert torch.allclose(ema, 0.5 ** 4 * saved["fc.weight"] + (1 - 0.5 ** 4) * raw, atol=1e-5)

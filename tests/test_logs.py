@@ -178,7 +178,7 @@ def test_loss_scaling_figures_reach_the_csv_and_the_trackers(tmp_path):
     _, rows = read_summary(tmp_path / "summary.csv")
     assert rows == [{"epoch": "0", "train_loss": "2.5", "train_top1": "10", "val_loss": "2", "top1": "20",
                      "top5": "60", "lr": "0.05", "img_per_s": "32", "skipped_steps": "3",
-                     "loss_scale": "32768"}]
+                     "loss_scale": "32768", "ema_top1": "", "ema_top5": ""}]  # no --model-ema
     assert logged == [(0, {"train/loss": 2.5, "train/top1": 10.0, "val/loss": 2.0, "val/top1": 20.0,
                            "val/top5": 60.0, "lr": 0.05, "img_per_s": 32.0, "skipped_steps": 3,
                            "loss_scale": 32768.0})]

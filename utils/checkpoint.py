@@ -1,5 +1,6 @@
 """Checkpoints: atomic writes, fp32 weights, and loads that explain what is wrong with a file."""
 import os
+import re
 
 import torch
 
@@ -11,17 +12,38 @@ BEST = "model_best.pth.tar"
 REQUIRED_KEYS = ("epoch", "arch", "state_dict")
 
 
-def save_checkpoint(state, is_best, output_dir):
-    """checkpoint.pth.tar every call; model_best.pth.tar as well when is_best. Returns the paths.
+KEPT = re.compile(r"^checkpoint-epoch(\d+)\.pth\.tar$")  # --keep-checkpoints copies
+
+
+def kept_name(epoch):
+    return f"checkpoint-epoch{epoch:03d}.pth.tar"
+
+
+def kept_checkpoints(output_dir):
+    """[(epochs finished, file name)] of the --keep-checkpoints copies in output_dir, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(match.group(1)), name) for name in os.listdir(output_dir) if (match := KEPT.match(name))]
+    return sorted(found)
+
+
+def save_checkpoint(state, is_best, output_dir, keep=0):
+    """checkpoint.pth.tar every call; model_best.pth.tar as well when is_best; with keep > 0 and an
+    end-of-epoch state (step 0), also checkpoint-epochNNN.pth.tar (NNN = state["epoch"], the epochs
+    finished), removing the older copies beyond the last keep. Returns the paths written.
 
     fsync before each rename: after a power cut a checkpoint is the old one or the new one, never
-    a renamed but empty file.
+    a renamed but empty file. Called by the main process only, so only it removes old copies.
     """
     path = os.path.join(output_dir, CHECKPOINT)
     atomic_write(path, lambda handle: torch.save(state, handle), fsync=True)
     written = [path]
     if is_best:
         written.append(copy_atomic(path, os.path.join(output_dir, BEST), fsync=True))
+    if keep > 0 and not state.get("step", 0):
+        written.append(copy_atomic(path, os.path.join(output_dir, kept_name(state["epoch"])), fsync=True))
+        for _, name in kept_checkpoints(output_dir)[:-keep]:
+            os.remove(os.path.join(output_dir, name))
     return written
 
 

@@ -284,8 +284,16 @@ def add_run_args(parser, training=True):
                             "variable is what counts")
     if not training:
         return group
-    group.add_argument("--resume", default="", metavar="PATH",
-                       help="checkpoint to resume from (default: none)")
+    group.add_argument("--resume", default="", metavar="PATH|DIR|auto",
+                       help="continue a run: a checkpoint file; a run directory (its checkpoint.pth.tar, "
+                            "and --output-dir defaults to it); or 'auto': --output-dir's checkpoint.pth.tar, "
+                            "starting fresh (with a line saying so) when there is none yet, as a Slurm "
+                            "requeue wants. The run's flags come back from the checkpoint; flags typed "
+                            "again win, one line naming each change (default: none)")
+    group.add_argument("--config", default=None, metavar="FILE.yaml",
+                       help="set flags from a YAML recipe (keys: flag names without dashes, e.g. lr, "
+                            "batch-size or batch_size); flags on the command line win; see configs/ "
+                            "(default: none)")
     group.add_argument("--seed", type=seed_type, default=0,
                        help=f"seed for weights, shuffling and augmentation, 0..{SEED_MAX} (default: 0)")
     group.add_argument("--sync_bn", "--sync-bn", dest="sync_bn", action="store_true",
@@ -371,6 +379,10 @@ def add_checkpoint_args(parser):
                             "with the position inside the epoch, so --resume continues from that step; "
                             "0 means only at the end of each epoch (default: 0). SIGTERM/SIGINT always "
                             "write one before the run stops")
+    group.add_argument("--keep-checkpoints", type=non_negative_int, default=0, metavar="N",
+                       help="also keep the last N end-of-epoch checkpoints as checkpoint-epochNNN.pth.tar "
+                            "(NNN: epochs finished) beside checkpoint.pth.tar and model_best.pth.tar; "
+                            "older ones are removed; 0 keeps none (default: 0)")
     return group
 
 
@@ -398,6 +410,10 @@ def add_ingredient_args(parser):
                             "backend only (default: none)")
     group.add_argument("--reprob", type=probability, default=0.0, metavar="P",
                        help="random erasing probability per image (timm RandomErasing, on the device) (default: 0)")
+    group.add_argument("--drop-path", type=probability, default=0.0, metavar="F",
+                       help="drop-path / stochastic-depth rate: timm's drop_path_rate, torchvision's "
+                            "stochastic_depth_prob; refused for models without it (default: 0, the "
+                            "model's own default)")
     group.add_argument("--model-ema", action="store_true",
                        help="keep an EMA of the weights (timm ModelEmaV3), validated every epoch beside the "
                             "model and saved in checkpoints as state_dict_ema (default: off)")
@@ -428,3 +444,92 @@ def build_parser(description, prog=None):
     add_checkpoint_args(parser)
     add_prof_args(parser)
     return parser
+
+
+# Flags a recipe file may not set: --config itself, the per-process launcher flag and --help.
+NOT_IN_CONFIG = ("config", "local_rank", "help")
+
+
+def config_actions(parser):
+    """Every key a recipe file may use -> its argparse action: the dest (batch_size) and each
+    option spelling without its dashes (batch-size, b)."""
+    keys = {}
+    for action in parser._actions:
+        if action.dest in NOT_IN_CONFIG or action.dest == argparse.SUPPRESS:
+            continue
+        keys[action.dest] = action
+        for option in action.option_strings:
+            keys[option.lstrip("-")] = action
+    return keys
+
+
+def flag_name(action):
+    """The spelling a message names a flag by: its first long option, or the dest of a positional."""
+    longs = [option for option in action.option_strings if option.startswith("--")]
+    return (longs or action.option_strings or [action.dest.upper()])[0]
+
+
+def _convert(action, value, where):
+    """A YAML value through the flag's own argparse type and choices, as on the command line."""
+    from .errors import UsageError
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise UsageError(f"{where}: {flag_name(action)} is a switch; give true or false, got {value!r}")
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if value is None:
+        return None
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        items = value if isinstance(value, list) else [value]
+        return [_convert_one(action, item, where) for item in items]
+    if isinstance(value, (list, dict)):
+        raise UsageError(f"{where}: {flag_name(action)} takes one value, got {value!r}")
+    return _convert_one(action, value, where)
+
+
+def _convert_one(action, value, where):
+    from .errors import UsageError
+
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    try:
+        converted = action.type(text) if action.type else text
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
+        raise UsageError(f"{where}: bad value for {flag_name(action)}: {err}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise UsageError(f"{where}: {flag_name(action)} must be one of "
+                         f"{', '.join(map(str, action.choices))}, got {value!r}")
+    return converted
+
+
+def load_config(parser, path):
+    """The flag values of a --config YAML file as {dest: value}, each through its flag's type.
+    Unknown keys, a key given twice (lr and --lr) and wrong types are UsageErrors naming key and file."""
+    import yaml
+
+    from .errors import UsageError
+
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle)
+    except OSError as err:
+        raise UsageError(f"--config {path!r}: cannot read it ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise UsageError(f"--config {path!r} is not valid YAML ({' '.join(str(err).split())[:160]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path!r} must be a mapping of flag names to values, found a "
+                         f"{type(data).__name__}")
+    keys, values, source = config_actions(parser), {}, {}
+    for key, value in data.items():
+        action = keys.get(str(key))
+        if action is None:
+            raise UsageError(f"--config {path!r}: unknown key {key!r} (not a flag of {parser.prog}; keys are "
+                             "flag names without dashes, e.g. lr or batch-size)")
+        if action.dest in values:
+            raise UsageError(f"--config {path!r}: {key!r} sets {flag_name(action)} that {source[action.dest]!r} "
+                             "already set; keep one")
+        values[action.dest] = _convert(action, value, f"--config {path!r}, key {key!r}")
+        source[action.dest] = key
+    return values
+

@@ -6,7 +6,8 @@ never sees half of it:
   args.yaml     every setting after defaults were resolved (model data config included)
   summary.csv   one row per epoch: epoch (0-based, as the Apex lines), train loss and top-1,
                 val loss, top-1 and top-5, lr at the epoch's last step, img/s (all processes),
-                skipped steps and loss scale (empty without loss scaling)
+                skipped steps and loss scale (empty without loss scaling), the EMA's val
+                top-1 and top-5 (empty without --model-ema)
   curves.png    loss and top-1 per epoch, redrawn after every epoch and at the end
 --log-with sends the same per-epoch figures to TensorBoard (OUTPUT_DIR/runs/imagenet-amp/) and/or
 Weights & Biases through Accelerate's trackers.
@@ -25,7 +26,7 @@ from .files import atomic_write
 
 PROJECT = "imagenet-amp"  # the TensorBoard run folder and the W&B project
 SUMMARY_COLUMNS = ("epoch", "train_loss", "train_top1", "val_loss", "top1", "top5", "lr", "img_per_s",
-                   "skipped_steps", "loss_scale")
+                   "skipped_steps", "loss_scale", "ema_top1", "ema_top5")
 TRACKERS = {"none": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",), "all": ("tensorboard", "wandb")}
 
 
@@ -147,8 +148,9 @@ class RunLog:
                       for name, value in self.settings().items()}
             accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"dir": self.dir}})
 
-    def epoch(self, epoch, train, val, optimizer):
-        """Record one epoch: train and val are utils.engine.EpochResult."""
+    def epoch(self, epoch, train, val, optimizer, ema=None):
+        """Record one epoch: train, val (and ema, the --model-ema validation, else None) are
+        utils.engine.EpochResult."""
         if not self.active:
             return
         if not self.started:
@@ -158,7 +160,8 @@ class RunLog:
         row = {"epoch": epoch, "train_loss": train.loss, "train_top1": train.top1, "val_loss": val.loss,
                "top1": val.top1, "top5": val.top5, "lr": optimizer.param_groups[0]["lr"],
                "img_per_s": train.images_per_sec, "skipped_steps": train.skipped_steps,
-               "loss_scale": train.loss_scale}
+               "loss_scale": train.loss_scale, "ema_top1": ema.top1 if ema is not None else None,
+               "ema_top5": ema.top5 if ema is not None else None}
         self.rows.append(row)
         write_summary(self.rows, self.summary)
         self.draw()
@@ -167,6 +170,8 @@ class RunLog:
                   "skipped_steps": train.skipped_steps}
         if train.loss_scale is not None:
             values["loss_scale"] = train.loss_scale
+        if ema is not None:
+            values.update({"val/ema_top1": ema.top1, "val/ema_top5": ema.top5})
         self.accelerator.log(values, step=epoch)
 
     def settings(self):

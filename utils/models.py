@@ -38,19 +38,19 @@ def _replace_classifier(model, num_classes):
     setattr(parent, last_name.rpartition(".")[2], nn.Linear(last.in_features, num_classes))
 
 
-def _torchvision_model(arch, num_classes, pretrained):
+def _torchvision_model(arch, num_classes, pretrained, **extra):
     import torchvision
     if arch not in torchvision_names():
         raise _unknown(arch, torchvision_names())
     if not pretrained:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
     weights = torchvision.models.get_model_weights(arch).DEFAULT
     filename = os.path.basename(weights.url)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
     if not os.path.isfile(path):
         raise UsageError(f"--pretrained: no local weights for {arch} at {path}; this script never "
                          f"downloads. Copy {weights.url} there (or set TORCH_HOME), or drop --pretrained")
-    model = torchvision.models.get_model(arch, weights=None)
+    model = torchvision.models.get_model(arch, weights=None, **extra)
     try:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as err:  # truncated download, another model's file, not a torch file
@@ -119,11 +119,11 @@ def cached_timm_weights(name):
     return None, looked
 
 
-def _timm_model(name, num_classes, pretrained):
+def _timm_model(name, num_classes, pretrained, **extra):
     timm = _import_timm()
     if not pretrained:
         _timm_pretrained_cfg(name)  # an unknown name or weight tag is a usage error, not a traceback
-        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, **extra)
     path, looked = cached_timm_weights(name)
     if path is None:
         where = "; looked for " + ", ".join(looked) if looked else " (timm lists no weights for it)"
@@ -134,18 +134,32 @@ def _timm_model(name, num_classes, pretrained):
     try:
         # Load that file and nothing else; timm drops the pretrained head when num_classes differs.
         return timm.create_model(name, pretrained=True, num_classes=num_classes,
-                                 pretrained_cfg_overlay={"file": path, "source": ""})
+                                 pretrained_cfg_overlay={"file": path, "source": ""}, **extra)
+    except TypeError:
+        raise  # a keyword the model does not take (--drop-path): build_model says so
     except Exception as err:  # truncated file (SafetensorError), another model's weights, not a weight file
         raise UsageError(f"--pretrained: cannot load timm/{name} weights from {path} ({first_line(err, 200)}); "
                          "the file is damaged or of another model: delete it and fetch it again") from None
 
 
-def build_model(arch, num_classes, pretrained=False):
+def build_model(arch, num_classes, pretrained=False, drop_path=0.0):
+    """drop_path (--drop-path): timm's drop_path_rate, torchvision's stochastic_depth_prob; 0 keeps
+    the model's own default. A model whose constructor takes neither is refused."""
     if arch in REFUSED:
         raise UsageError(REFUSED[arch])
-    if arch.startswith("timm/"):
-        return _timm_model(arch[len("timm/"):], num_classes, pretrained)
-    return _torchvision_model(arch, num_classes, pretrained)
+    timm_model = arch.startswith("timm/")
+    key = "drop_path_rate" if timm_model else "stochastic_depth_prob"
+    extra = {key: drop_path} if drop_path else {}
+    try:
+        if timm_model:
+            return _timm_model(arch[len("timm/"):], num_classes, pretrained, **extra)
+        return _torchvision_model(arch, num_classes, pretrained, **extra)
+    except TypeError as err:  # the constructor does not take the keyword
+        if extra and key in str(err):
+            raise UsageError(f"--drop-path: {arch} has no drop-path / stochastic depth (its constructor takes "
+                             f"no {key}); drop the flag, or pick a model that has it (timm models such as "
+                             "timm/resnet50, torchvision convnext_*, efficientnet_*, swin_*)") from None
+        raise
 
 
 def timm_data_config(arch, model=None):

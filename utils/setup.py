@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .checkpoint import BEST, CHECKPOINT, load_checkpoint, load_model_weights
+from .checkpoint import BEST, CHECKPOINT, kept_checkpoints, load_checkpoint, load_model_weights
 from .cli import apply_source_defaults, source_kind
 from .compiled import compile_model, resolve_compile
 from .errors import UsageError, first_line
@@ -18,7 +18,7 @@ from .recipe import build_ema, build_optimizer
 
 
 def parse_args(parser, argv=None):
-    args = parser.parse_args(argv)
+    args = parse_flags(parser, argv)
     check_lr_steps(args)  # before the source defaults fill --lr-steps in
     # A timm model's own input size, crop pct, interpolation and mean/std fill what no flag set.
     apply_source_defaults(args, model_data_config(args.arch))
@@ -39,6 +39,87 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--prof {args.prof} needs {args.prof + window} steps but --steps-per-epoch is "
                          f"{args.steps_per_epoch}")
     return args
+
+
+# Flags a resumed run never takes from its checkpoint: where and how this run starts, and what the
+# machine decided (data backend, memory format, worker count are settled again for this device).
+NOT_RESUMED = ("resume", "config", "output_dir", "start_epoch", "evaluate", "overwrite", "local_rank",
+               "data_backend", "channels_last", "workers", "prof")
+
+
+def parse_flags(parser, argv=None):
+    """The command line, with train.py's --config and --resume auto|DIR applied: defaults, then the
+    resumed checkpoint's flags, then the --config file's, then what is typed (which always wins).
+    Both go through parser.set_defaults, so typed flags are validated once, by argparse itself."""
+    from .cli import flag_name, load_config
+
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
+    first = parser.parse_args(argv)
+    if not hasattr(first, "config"):  # eval.py: its --resume is a file, it takes no recipe
+        return first
+    stored, lines = resume_flags(parser, first)
+    if stored:
+        parser.set_defaults(**stored)
+    if first.config:
+        parser.set_defaults(**load_config(parser, first.config))
+    args = parser.parse_args(argv)
+    args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
+    if stored:
+        if args.lr_schedule != "step" and args.lr_steps == stored.get("lr_steps"):
+            args.lr_steps = None  # a resolved step schedule's milestones mean nothing to another schedule
+        actions = {action.dest: action for action in parser._actions}
+        for dest, old in stored.items():
+            new = getattr(args, dest)
+            if new != old and not (dest == "lr_steps" and new is None):
+                lines.append(f"=> {flag_name(actions[dest])} {_shown(new)} (checkpoint: {_shown(old)})")
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in lines:
+            print(line, flush=True)
+    return args
+
+
+def _shown(value):
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def find_resume_checkpoint(directory):
+    """The checkpoint a run directory continues from: checkpoint.pth.tar (always the newest write,
+    mid-epoch ones included), else the newest kept checkpoint-epochNNN.pth.tar, else None."""
+    path = os.path.join(directory, CHECKPOINT)
+    if os.path.isfile(path):
+        return path
+    kept = kept_checkpoints(directory)
+    return os.path.join(directory, kept[-1][1]) if kept else None
+
+
+def resume_flags(parser, args):
+    """Resolve --resume auto|DIR to a checkpoint file (in args) and read the run's flags from it.
+    Returns ({dest: stored value} for the parser's flags, lines to print). auto with nothing in
+    --output-dir starts fresh and says so; a DIR without a checkpoint is refused."""
+    if not args.resume:
+        return {}, []
+    lines = []
+    if args.resume == "auto":
+        found = find_resume_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if found is None:
+            args.resume = ""
+            return {}, [f"=> --resume auto: no checkpoint in {args.output_dir!r} yet, starting a new run"]
+        args.resume = found
+    elif os.path.isdir(args.resume):
+        found = find_resume_checkpoint(args.resume)
+        if found is None:
+            raise UsageError(f"--resume {args.resume!r}: the directory holds no {CHECKPOINT} (nor a kept "
+                             "checkpoint-epochNNN.pth.tar); give a checkpoint file or the run's directory")
+        if args.output_dir == parser.get_default("output_dir"):  # continue the run where it is
+            args.output_dir = args.resume
+        args.resume = found
+    if not os.path.isfile(args.resume):
+        return {}, []  # load_checkpoint names the missing file in build_or_resume
+    stored = load_checkpoint(args.resume).get("args") or {}
+    dests = {action.dest for action in parser._actions}
+    flags = {dest: value for dest, value in stored.items() if dest in dests and dest not in NOT_RESUMED}
+    lines.append(f"=> --resume: {len(flags)} flags from {args.resume} (flags typed again win)")
+    return flags, lines
 
 
 def check_lr_steps(args):
@@ -116,6 +197,7 @@ def settle_output_dir(args):
                          "can write to") from None
     lines = remove_stale_temp_files(out)
     found = [name for name in RUN_FILES if os.path.lexists(os.path.join(out, name))]
+    found += [name for _, name in kept_checkpoints(out)]  # --keep-checkpoints copies are the run's too
     resume = getattr(args, "resume", "")
     overwrite = getattr(args, "overwrite", False)
     if resume and not os.path.isfile(resume):
@@ -258,7 +340,7 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
     """Model (weights from checkpoint if any, EMA too), precision recipe applied, the --opt
     optimizer, all prepared. Precision carries the step's ingredients: clip, skip, EMA."""
     torch.manual_seed(args.seed)
-    model = build_model(args.arch, num_classes, args.pretrained)
+    model = build_model(args.arch, num_classes, args.pretrained, getattr(args, "drop_path", 0.0))
     if checkpoint is not None:
         load_model_weights(model, checkpoint["state_dict"], args.arch, args.resume)
     if want_sync_bn(args, accelerator):

@@ -1,0 +1,159 @@
+"""Recipe files (--config) and run management (--resume auto|DIR, --keep-checkpoints, summary.csv)."""
+import csv
+import os
+
+import pytest
+import torch
+
+from conftest import QUICK, ROOT, run_script
+from test_train import losses, one_error_line
+from utils.checkpoint import kept_checkpoints, save_checkpoint
+from utils.cli import add_log_args, build_parser
+from utils.errors import UsageError, exit_on_usage_error
+from utils.setup import parse_args
+
+
+def parse(argv):
+    return parse_args(add_log_args(build_parser("train")), [*map(str, argv)])
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_config_sets_flags_and_the_command_line_wins(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "lr: 0.3\nbatch-size: 32\nwd: 5.0e-5\nopt_level: o2\n"
+                                        "lr-schedule: cosine\nlabel_smoothing: 0.1\nmodel-ema: true\n")
+    args = parse(["--config", recipe])
+    assert (args.lr, args.batch_size, args.weight_decay, args.opt_level) == (0.3, 32, 5e-5, "O2")
+    assert args.lr_schedule == "cosine" and args.label_smoothing == 0.1 and args.model_ema is True
+    args = parse(["--config", recipe, "--lr", "0.05", "-b", "8"])
+    assert (args.lr, args.batch_size, args.weight_decay) == (0.05, 8, 5e-5)
+    assert parse([]).lr == 0.1  # nothing leaks from one parser to the next
+
+
+def test_shipped_configs_hold_only_real_flags(tmp_path):
+    from utils.cli import load_config
+    parser = add_log_args(build_parser("train"))
+    apex = load_config(parser, os.path.join(ROOT, "configs", "apex_resnet50_90ep.yaml"))
+    assert apex["lr_steps"] == [30, 60, 80] and apex["opt_level"] == "O1" and apex["epochs"] == 90
+    modern = load_config(parser, os.path.join(ROOT, "configs", "resnet50_modern.yaml"))
+    assert modern["lr_schedule"] == "cosine" and modern["model_ema"] and modern["label_smoothing"] == 0.1
+    assert "80.858" in open(os.path.join(ROOT, "configs", "resnet50_modern.yaml")).read()
+    digits = load_config(parser, os.path.join(ROOT, "configs", "digits_modern.yaml"))
+    assert digits["epochs"] == 16 and digits["mixup"] > 0 and digits["aa"] == "ta_wide"
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("lrr: 0.1\n", ["unknown key 'lrr'", "r.yaml"]),
+    ("lr: fast\n", ["'lr'", "r.yaml", "finite number"]),
+    ("batch-size: 0.5\n", ["'batch-size'", "positive integer"]),
+    ("opt: rmsprop\n", ["'opt'", "sgd"]),
+    ("model-ema: 3\n", ["'model-ema'", "true or false"]),
+    ("wd: 0.1\nweight_decay: 0.2\n", ["already set", "--wd"]),
+    ("- lr\n", ["mapping"]),
+])
+def test_bad_config_keys_and_values_are_refused(tmp_path, text, needles):
+    recipe = write(tmp_path / "r.yaml", text)
+    with pytest.raises(UsageError) as err:
+        parse(["--config", recipe])
+    assert all(needle in str(err.value) for needle in needles), str(err.value)
+
+
+def test_bad_config_exits_2_with_one_line(cache_dir, tmp_path, capsys):
+    import train
+    recipe = write(tmp_path / "r.yaml", "momentum: 1.5\n")
+    with pytest.raises(SystemExit) as exited:
+        exit_on_usage_error(lambda: train.main(["--config", str(recipe), "--output-dir", str(tmp_path / "o")]))
+    one_error_line(exited.value.code, capsys.readouterr().err, "momentum", "r.yaml")
+
+
+def test_resume_dir_without_checkpoint_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="holds no checkpoint.pth.tar"):
+        parse(["--resume", tmp_path])
+
+
+def test_resume_auto_continues_without_retyping_flags(cache_dir, tmp_path):
+    # Non-default flags in the first run; the second types only --resume auto, --output-dir and the
+    # new total --epochs. Under --deterministic it must equal one uninterrupted 2-epoch run.
+    flags = ["--deterministic", *QUICK, "--lr", "0.2", "--momentum", "0.8", "--wd", "5e-5",
+             "--label-smoothing", "0.1", "--seed", "3"]
+    straight = run_script("train.py", "--epochs", "2", "--output-dir", tmp_path / "straight", *flags)
+    assert straight.returncode == 0, straight.stderr
+    run = tmp_path / "run"
+    first = run_script("train.py", "--resume", "auto", "--epochs", "1", "--output-dir", run, *flags)
+    assert first.returncode == 0, first.stderr
+    assert "no checkpoint in" in first.stdout and "starting a new run" in first.stdout  # the requeue case
+    resumed = run_script("train.py", "--resume", "auto", "--output-dir", run, "--epochs", "2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "=> --epochs 2 (checkpoint: 1)" in resumed.stdout, resumed.stdout
+    assert "=> --lr" not in resumed.stdout  # only the flag typed again is named
+    assert len(losses(resumed.stdout)) == 4
+    assert losses(straight.stdout)[-4:] == losses(resumed.stdout)
+    a = torch.load(tmp_path / "straight" / "checkpoint.pth.tar", weights_only=True)
+    b = torch.load(run / "checkpoint.pth.tar", weights_only=True)
+    assert b["epoch"] == 2 and b["args"]["lr"] == 0.2 and b["args"]["label_smoothing"] == 0.1
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    with open(run / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["epoch"] for row in rows] == ["0", "1"]
+    assert all(row["lr"] and row["ema_top1"] == "" and row["ema_top5"] == "" for row in rows)  # no EMA
+
+    # A typed flag overrides the checkpoint's, with a line naming the change.
+    args = parse(["--resume", run, "--epochs", "3", "--lr", "0.05"])
+    assert args.resume == str(run / "checkpoint.pth.tar") and args.output_dir == str(run)
+    assert (args.lr, args.momentum, args.batch_size, args.seed) == (0.05, 0.8, 16, 3)
+
+
+def test_resume_names_each_changed_flag(cache_dir, tmp_path, capsys):
+    state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
+             "args": {"lr": 0.1, "batch_size": 16, "epochs": 2, "opt": "sgd", "no_such_flag": 1}}
+    save_checkpoint(state, False, tmp_path)
+    capsys.readouterr()
+    args = parse(["--resume", "auto", "--output-dir", tmp_path, "--lr", "0.2", "--epochs", "2"])
+    out = capsys.readouterr().out
+    assert "=> --lr 0.2 (checkpoint: 0.1)" in out and "--epochs" not in out.replace("--epochs 2 (", "")
+    assert args.batch_size == 16 and args.resume == os.path.join(str(tmp_path), "checkpoint.pth.tar")
+
+
+def test_keep_checkpoints_keeps_the_last_n(tmp_path):
+    for epoch in range(1, 5):
+        save_checkpoint({"epoch": epoch, "step": 0}, epoch == 1, tmp_path, keep=2)
+    save_checkpoint({"epoch": 4, "step": 3}, False, tmp_path, keep=2)  # mid-epoch: never kept
+    assert [name for _, name in kept_checkpoints(tmp_path)] == ["checkpoint-epoch003.pth.tar",
+                                                                 "checkpoint-epoch004.pth.tar"]
+    assert torch.load(tmp_path / "checkpoint-epoch003.pth.tar")["epoch"] == 3
+    assert (tmp_path / "model_best.pth.tar").exists() and (tmp_path / "checkpoint.pth.tar").exists()
+
+
+def test_keep_checkpoints_and_ema_columns_in_a_run(cache_dir, tmp_path):
+    result = run_script("train.py", *QUICK, "--epochs", "3", "--keep-checkpoints", "2", "--model-ema",
+                        "--model-ema-decay", "0.5", "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    files = sorted(os.listdir(tmp_path))
+    assert [name for name in files if name.startswith("checkpoint-epoch")] == [
+        "checkpoint-epoch002.pth.tar", "checkpoint-epoch003.pth.tar"]
+    assert torch.load(tmp_path / "checkpoint-epoch002.pth.tar", weights_only=True)["epoch"] == 2
+    with open(tmp_path / "summary.csv") as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+    assert {"lr", "ema_top1", "ema_top5"} <= set(reader.fieldnames)
+    assert len(rows) == 3 and all(0 <= float(row["ema_top1"]) <= float(row["ema_top5"]) <= 100 for row in rows)
+    # A new run into that directory is refused; the kept copies count as the run's files.
+    again = run_script("train.py", *QUICK, "--epochs", "1", "--output-dir", tmp_path)
+    assert again.returncode == 2 and "checkpoint-epoch003.pth.tar" in again.stderr
+
+
+def test_digits_modern_recipe_reaches_95_percent(cache_dir, tmp_path):
+    """The issue's bar: `python train.py --config <the modern recipe>` on the demo ends >= 95 % top-1
+    (measured 97.8 %, EMA 97.5 %; a few minutes on a CPU)."""
+    from conftest import FINAL
+    result = run_script("train.py", "--config", os.path.join(ROOT, "configs", "digits_modern.yaml"),
+                        "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    finals = [float(m.group(1)) for m in FINAL.finditer(result.stdout)]
+    assert len(finals) == 16 and finals[-1] >= 95.0, result.stdout[-1500:]
+    with open(tmp_path / "summary.csv") as handle:
+        assert float(list(csv.DictReader(handle))[-1]["ema_top1"]) >= 90.0
