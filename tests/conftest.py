@@ -31,6 +31,7 @@ FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+    config.addinivalue_line("markers", "slow: minutes long; left out of the default run (pytest.ini), run with -m slow")
     import torch
     torch.set_num_threads(int(THREADS))  # the in-process tests, for the reason above
 

@@ -146,6 +146,7 @@ def test_keep_checkpoints_and_ema_columns_in_a_run(cache_dir, tmp_path):
     assert again.returncode == 2 and "checkpoint-epoch003.pth.tar" in again.stderr
 
 
+@pytest.mark.slow  # about 2 minutes on 2 cores: run with python -m pytest -q -m slow
 def test_digits_modern_recipe_reaches_95_percent(cache_dir, tmp_path):
     """The issue's bar: `python train.py --config <the modern recipe>` on the demo ends >= 95 % top-1
     (measured 97.8 %, EMA 97.5 %; a few minutes on a CPU)."""
