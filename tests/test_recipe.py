@@ -307,6 +307,9 @@ def accum_probe(out_path):
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump({"ranks": gathered, "big": [p.grad.tolist() for p in reference.parameters()]}, handle)
+    # Leave together: a rank exiting while gloo's threads still served the other aborted it once
+    # ("terminate called without an active exception"). end_training destroys the process group.
+    dist.barrier()
     accelerator.end_training()
 
 
