@@ -270,7 +270,7 @@ def build_eval_model(args, accelerator, recipe, checkpoint):
     model = model.to(accelerator.device, memory_format=memory_format)
     precision = Precision(recipe, model, accelerator.device.type)
     if args.compile:  # after the recipe's casts and hooks, so the compiled graph holds them
-        model = compile_model(model, args.compile, accelerator.print)
+        model = compile_model(model, args.compile, accelerator.print, getattr(args, "compile_mode", "default"))
     return model, precision
 
 

@@ -275,18 +275,26 @@ def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, t
 
 # ----------------------------------------------------------------------------- on the GPU
 
-def gpu_decoder(dataset, train=True, size=SIZE):
+@pytest.fixture(params=["cuda", "hardware"])
+def jpeg_decoder(request):
+    """Both JPEG decoders: nvJPEG on the SMs, and the hardware engines (when nvImageCodec is
+    installed: it is optional, so its absence skips those cases rather than failing them)."""
+    if request.param == "hardware":
+        pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec (optional) not installed")
+    return request.param
+
+
+def gpu_decoder(dataset, jpeg_decoder, train=True, size=SIZE):
     return GpuBatchDecoder("cuda", size, IMAGENET_MEAN, IMAGENET_STD, channels_last=True, name_of=dataset.name,
-                           train=train)
+                           train=train, jpeg_decoder=jpeg_decoder)
 
 
 @pytest.mark.gpu
-def test_nvjpeg_pixels_close_to_pil(mixed_folder):
+def test_gpu_decoded_pixels_close_to_pil(mixed_folder, jpeg_decoder):
     """Decoded pixels (no crop: the whole image as its box at its own size) vs PIL: mean abs < 2."""
-    from utils.gpu_batches import GpuBatchDecoder as Decoder
     dataset = ByteSamples(mixed_folder, lambda width, height, epoch, index: (0, 0, height, width, False))
     packed = pack_bytes([dataset[index] for index in range(len(dataset))])
-    pictures = Decoder("cuda", SIZE, IMAGENET_MEAN, IMAGENET_STD).decode(packed)
+    pictures = gpu_decoder(dataset, jpeg_decoder).decode(packed)
     for (path, _), picture in zip(mixed_folder, pictures):
         expected = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
         assert picture.shape == expected.shape
@@ -295,11 +303,11 @@ def test_nvjpeg_pixels_close_to_pil(mixed_folder):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("train", [True, False], ids=["train", "val"])
-def test_gpu_pipeline_matches_the_cpu_backend(mixed_folder, train):
+def test_gpu_pipeline_matches_the_cpu_backend(mixed_folder, train, jpeg_decoder):
     boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
     dataset = ByteSamples(mixed_folder, boxes)
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
-    images, targets = gpu_decoder(dataset, train)(packed)
+    images, targets = gpu_decoder(dataset, jpeg_decoder, train)(packed)
     torch.cuda.synchronize()
     mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255
     std = torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
@@ -311,22 +319,22 @@ def test_gpu_pipeline_matches_the_cpu_backend(mixed_folder, train):
 
 
 @pytest.mark.gpu
-def test_gpu_pipeline_repeats_bit_for_bit(mixed_folder):
+def test_gpu_pipeline_repeats_bit_for_bit(mixed_folder, jpeg_decoder):
     dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
-    decoder = gpu_decoder(dataset)
+    decoder = gpu_decoder(dataset, jpeg_decoder)
     first = decoder(packed)[0].cpu()
     for _ in range(3):
         assert torch.equal(decoder(packed)[0].cpu(), first)
 
 
 @pytest.mark.gpu
-def test_gpu_decode_survives_queued_work_on_the_consumer_stream(mixed_folder):
+def test_gpu_decode_survives_queued_work_on_the_consumer_stream(mixed_folder, jpeg_decoder):
     """pytorch/vision#9606: tensors freed while kernels queued on the caller's stream still read
     them must not be overwritten by the decode. Queue a long matmul chain, free its inputs, decode."""
     dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
-    decoder = gpu_decoder(dataset)
+    decoder = gpu_decoder(dataset, jpeg_decoder)
     for _ in range(20):
         victims = [torch.full((1 << 20,), 1.5, device="cuda") for _ in range(8)]
         slow = torch.randn(4096, 4096, device="cuda")
@@ -336,3 +344,18 @@ def test_gpu_decode_survives_queued_work_on_the_consumer_stream(mixed_folder):
         del victims
         decoder(packed)
         assert all(float(total) == 1.5 * (1 << 20) for total in sums)
+
+
+@pytest.mark.gpu
+def test_jpeg_decoder_is_settled_on_cuda():
+    """auto: hardware where nvImageCodec finds JPEG engines, else cuda, and the reason is given;
+    cuda asked for is kept."""
+    from utils.gpu_batches import settle_jpeg_decoder
+    name, why = settle_jpeg_decoder("auto", "cuda")
+    assert name in ("cuda", "hardware") and why.startswith("auto: ")
+    assert settle_jpeg_decoder("cuda", "cuda") == ("cuda", "--jpeg-decoder")
+    try:
+        import nvidia.nvimgcodec  # noqa: F401
+    except ImportError:
+        with pytest.raises(UsageError, match="nvImageCodec is not installed"):
+            settle_jpeg_decoder("hardware", "cuda")

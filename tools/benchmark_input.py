@@ -4,11 +4,18 @@ worker counts, beside plain-PyTorch and (optionally) timm references measured in
 
     python tools/benchmark_input.py /data/fake_imagenet --workers 8 16 --out docs/results/h200_input_o2_j8.csv
     python tools/benchmark_input.py DATA --timm-train /path/to/timm/train.py   # add timm's loader
+    python tools/benchmark_input.py DATA --backends gpu synthetic --decoders cuda hardware --compile True
+
+Backends: cpu and gpu read DATA's JPEGs (gpu once per --decoders entry), synthetic trains train.py on
+random tensors made on the device (its own input-free speed). --compile takes False, True or a
+torch.compile mode (reduce-overhead, max-autotune): train.py --compile --compile-mode MODE.
 
 Each configuration is a real `train.py` run (ResNet-50 by default, --epochs 2); its figure is the
 second epoch's average Speed (img/s over all processes) from the Apex log line, so worker start-up
 and cudnn.benchmark's search are left out. The plain-PyTorch reference trains the same model on one
 random batch held on the GPU (no input pipeline at all): the GPU-bound ceiling for that config.
+Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
+counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
 Rows are printed as they come and the CSV is rewritten after each (utils.files.atomic_write).
 """
 import argparse
@@ -16,8 +23,10 @@ import csv
 import io
 import os
 import re
+import shlex
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,19 +40,19 @@ PLAIN_SPEED = re.compile(r"plain img/s ([\d.]+)")
 
 PLAIN = r"""
 import sys, time, torch, torchvision
-arch, batch, steps, level, compile_ = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
+arch, batch, steps, level, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 torch.backends.cudnn.benchmark = True
 model = torchvision.models.get_model(arch, num_classes=1000).cuda().to(memory_format=torch.channels_last)
-if level == "O2":  # half weights, fp32 BatchNorm
+if level in ("O2", "O3"):  # half weights, fp32 BatchNorm (O3 with --keep-batchnorm-fp32 True)
     model.half()
     for m in model.modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.float()
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-step_model = torch.compile(model) if compile_ else model
+step_model = model if mode == "False" else torch.compile(model, mode=None if mode == "True" else mode)
 x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
 y = torch.randint(0, 1000, (batch,), device="cuda")
-if level == "O2":
+if level in ("O2", "O3"):
     x = x.half()
 def step():
     with torch.autocast("cuda", dtype=torch.float16, enabled=level == "O1"):
@@ -61,17 +70,56 @@ torch.cuda.synchronize()
 print(f"plain img/s {steps * batch / (time.perf_counter() - start):.1f}")
 """
 
-COLUMNS = ("name", "backend", "workers", "compile", "opt_level", "img_per_s", "ratio_to_plain", "seconds", "note")
+COLUMNS = ("name", "backend", "decoder", "workers", "compile", "opt_level", "img_per_s", "ratio_to_plain",
+           "gpu_mem_gib", "seconds", "note")
+
+
+class PeakGpuMemory:
+    """The largest memory.used nvidia-smi reports for GPU 0 while the block runs, in GiB ('' if
+    nvidia-smi is missing)."""
+
+    def __enter__(self):
+        self.peak, self.stop = None, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def _poll(self):
+        while not self.stop.wait(0.2):
+            try:
+                text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                       "-i", "0"], capture_output=True, text=True, timeout=10).stdout
+                used = float(text.split()[0])
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                return
+            self.peak = max(self.peak or 0.0, used)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def gib(self):
+        return round(self.peak / 1024, 2) if self.peak is not None else ""
 
 
 def run(command, timeout):
+    """(output, note, seconds, peak GPU memory in GiB) of one subprocess."""
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        output, note = done.stdout + done.stderr, "" if done.returncode == 0 else f"exit {done.returncode}"
-    except subprocess.TimeoutExpired as err:
-        output, note = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or ""), "timeout"
-    return output, note, time.perf_counter() - start
+    with PeakGpuMemory() as memory:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+            output, note = done.stdout + done.stderr, "" if done.returncode == 0 else f"exit {done.returncode}"
+        except subprocess.TimeoutExpired as err:
+            output = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+            note = "timeout"
+    return output, note, time.perf_counter() - start, memory.gib()
+
+
+def compile_flags(value):
+    """--compile's value for train.py: False, True, or a torch.compile mode name."""
+    if value in ("False", "True"):
+        return ["--compile", value]
+    return ["--compile", "True", "--compile-mode", value]
 
 
 def last_match(pattern, text, group):
@@ -93,9 +141,14 @@ def main():
     parser.add_argument("-a", "--arch", default="resnet50")
     parser.add_argument("-b", "--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--backends", nargs="+", default=["cpu", "gpu"], choices=("cpu", "gpu"))
-    parser.add_argument("--compile", nargs="+", default=["False", "True"], choices=("False", "True"))
+    parser.add_argument("--backends", nargs="+", default=["cpu", "gpu"], choices=("cpu", "gpu", "synthetic"))
+    parser.add_argument("--decoders", nargs="+", default=["auto"], choices=("auto", "cuda", "hardware"),
+                        help="--jpeg-decoder values for the gpu backend (default: auto)")
+    parser.add_argument("--compile", nargs="+", default=["False", "True"],
+                        choices=("False", "True", "reduce-overhead", "max-autotune"))
     parser.add_argument("--opt-level", default="O2")
+    parser.add_argument("--train-args", default="", help="more train.py flags, one string (e.g. "
+                        "'--keep-batchnorm-fp32 True' with --opt-level O3)")
     parser.add_argument("--steps-per-epoch", type=int, default=40)
     parser.add_argument("--timm-train", default=None, help="path of timm's train.py (from its repository)")
     parser.add_argument("--out", default="input_benchmark.csv", help="CSV to write (default: %(default)s)")
@@ -113,42 +166,50 @@ def main():
 
     plain = {}
     for compile_ in args.compile:
-        output, note, seconds = run([sys.executable, "-c", PLAIN, args.arch, str(args.batch_size), "50",
-                                     args.opt_level, "1" if compile_ == "True" else "0"], args.timeout)
+        output, note, seconds, memory = run([sys.executable, "-c", PLAIN, args.arch, str(args.batch_size), "50",
+                                             args.opt_level, compile_], args.timeout)
         found = PLAIN_SPEED.findall(output)
         speed = float(found[-1]) if found else None
         plain[compile_] = speed
-        record({"name": "plain PyTorch, random batch on the GPU", "backend": "none", "workers": 0,
+        record({"name": "plain PyTorch, random batch on the GPU", "backend": "none", "decoder": "", "workers": 0,
                 "compile": compile_, "opt_level": args.opt_level, "img_per_s": speed or "", "ratio_to_plain": 1.0,
-                "seconds": round(seconds, 1), "note": note}, output)
+                "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note}, output)
     common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", "2",
-              "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite"]
+              "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite",
+              *shlex.split(args.train_args)]
     for workers in args.workers:
         for backend in args.backends:
-            for compile_ in args.compile:
-                out = os.path.join("/tmp", f"bench-{backend}-{workers}-{compile_}")
-                command = [sys.executable, "train.py", args.data, *common, "-j", str(workers),
-                           "--data-backend", backend, "--compile", compile_, "--output-dir", out]
-                output, note, seconds = run(command, args.timeout)
+            decoders = args.decoders if backend == "gpu" else [""]
+            for decoder, compile_ in [(d, c) for d in decoders for c in args.compile]:
+                if backend == "synthetic" and workers != args.workers[0]:
+                    continue  # no workers to vary
+                out = os.path.join("/tmp", f"bench-{backend}-{decoder}-{workers}-{compile_}")
+                source = ["synthetic"] if backend == "synthetic" else [args.data, "-j", str(workers),
+                                                                       "--data-backend", backend]
+                command = [sys.executable, "train.py", *source, *common, *compile_flags(compile_),
+                           *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]
+                output, note, seconds, memory = run(command, args.timeout)
                 speed = last_match(APEX_SPEED, output, 2)
                 reference = plain.get(compile_)
-                record({"name": "train.py", "backend": backend, "workers": workers, "compile": compile_,
+                used = re.findall(r"jpeg decoder (\w+)", output)
+                record({"name": "train.py", "backend": backend, "decoder": used[0] if used else decoder,
+                        "workers": 0 if backend == "synthetic" else workers, "compile": compile_,
                         "opt_level": args.opt_level, "img_per_s": speed or "",
                         "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
-                        "seconds": round(seconds, 1), "note": note}, output)
+                        "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note}, output)
         if args.timm_train:
             command = [sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val",
                        "--model", args.arch, "-b", str(args.batch_size), "-j", str(workers), "--amp",
                        "--channels-last", "--color-jitter", "0", "--train-interpolation", "bilinear",
                        "--epochs", "2", "--sched", "step", "--warmup-epochs", "0", "--log-interval", "10",
                        "--output", "/tmp/timm-bench", "--num-classes", "1000"]
-            output, note, seconds = run(command, args.timeout)
+            output, note, seconds, memory = run(command, args.timeout)
             speed = last_match(TIMM_SPEED, output, 2)
             reference = plain.get("False")
-            record({"name": "timm train.py --amp --channels-last", "backend": "timm", "workers": workers,
-                    "compile": "False", "opt_level": "amp", "img_per_s": speed or "",
+            record({"name": "timm train.py --amp --channels-last", "backend": "timm", "decoder": "",
+                    "workers": workers, "compile": "False", "opt_level": "amp", "img_per_s": speed or "",
                     "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
-                    "seconds": round(seconds, 1), "note": note}, output)
+                    "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note}, output)
     print(f"=> written to {args.out}")
 
 

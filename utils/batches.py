@@ -211,7 +211,8 @@ def gpu_backend(train_set, val_set, sampler, val_indices, args, device, mean, st
     def batches(dataset, boxes, order, train):
         samples = ByteSamples(dataset.samples, boxes)
         decoder = GpuBatchDecoder(device, args.image_size, mean, std, args.channels_last,
-                                  name_of=samples.name, interpolation=args.interpolation, train=train)
+                                  name_of=samples.name, interpolation=args.interpolation, train=train,
+                                  jpeg_decoder=getattr(args, "jpeg_decoder", "cuda"))
         # No pinning: nvJPEG reads the bytes from host memory itself; pinning would only copy them.
         loader = _loader(samples, order, args, device, collate_fn=pack_bytes, pin_memory=False)
         return GpuBatches(loader, decoder)

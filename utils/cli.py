@@ -173,6 +173,9 @@ def seed_type(text):
     return value
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def add_data_args(parser, training=True):
     """DATA and how its images become batches; training=False leaves out the training-only flags."""
     group = parser.add_argument_group("data")
@@ -187,6 +190,11 @@ def add_data_args(parser, training=True):
                             "file bytes, nvJPEG decodes whole batches and crops/resizes run on the GPU "
                             "(ImageFolder data on CUDA only); auto: gpu for ImageFolder data on CUDA, "
                             "else cpu (default: auto)")
+    group.add_argument("--jpeg-decoder", choices=("auto", "cuda", "hardware"), default="auto",
+                       help="gpu backend only: cuda = torchvision's nvJPEG on the GPU's SMs (shares them "
+                            "with training); hardware = nvImageCodec on the GPU's JPEG engines (A100/H100/"
+                            "H200; pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg); auto: hardware "
+                            "where it can be made, else cuda (default: auto)")
     group.add_argument("-j", "--workers", type=non_negative_int, default=None, metavar="N",
                        help="data loading worker processes per process (default: 4; 2 for digits; "
                             "never more than the CPU cores available)")
@@ -264,6 +272,10 @@ def add_precision_args(parser, training=True):
                        help="torch.compile the model (inductor; compiled once per input shape, the "
                             "compile time is printed once); also turned on by Accelerate's "
                             "dynamo_backend setting (default: False)")
+    group.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                       help="torch.compile mode with --compile: reduce-overhead replays CUDA graphs (less "
+                            "host work a step); max-autotune also benchmarks kernel choices (minutes of "
+                            "compile) (default: default)")
     return group
 
 

@@ -31,6 +31,9 @@ def accelerate_dynamo_backend():
 def resolve_compile(args):
     """Settle args.compile to a backend name or False; returns a note for the user or None."""
     from_accelerate = accelerate_dynamo_backend()
+    mode = getattr(args, "compile_mode", "default")
+    if mode != "default" and not (args.compile or from_accelerate):
+        raise UsageError(f"--compile-mode {mode} needs --compile; add it or drop --compile-mode")
     if not from_accelerate:
         args.compile = DEFAULT_BACKEND if args.compile else False
         return None
@@ -41,9 +44,11 @@ def resolve_compile(args):
     return f"torch.compile with backend {from_accelerate}, from Accelerate's dynamo_backend setting (compiled once, by this script)"
 
 
-def compile_model(model, backend, log):
-    """torch.compile(model); the first forward's wall time (the compile) is logged once."""
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+def compile_model(model, backend, log, mode="default"):
+    """torch.compile(model); the first forward's wall time (the compile) is logged once.
+    mode is torch.compile's (inductor only: other backends take none)."""
+    mode = None if mode == "default" or backend != DEFAULT_BACKEND else mode
+    compiled = torch.compile(model, backend=backend, dynamic=False, mode=mode)
     clock = {}
 
     def started(module, inputs):
@@ -52,12 +57,13 @@ def compile_model(model, backend, log):
     def finished(module, inputs, output):
         if "done" not in clock:
             clock["done"] = True
-            log(f"=> torch.compile ({backend}): first forward, compile included, took "
+            log(f"=> torch.compile ({backend}{', ' + mode if mode else ''}): first forward, compile included, took "
                 f"{time.perf_counter() - clock['start']:.1f} s")
 
     compiled.register_forward_pre_hook(started)
     compiled.register_forward_hook(finished)
     compiled.__dict__["_eval_backend"] = backend  # plain attributes: not submodules, not in state_dict
+    compiled.__dict__["_eval_mode"] = mode
     return compiled
 
 
@@ -83,6 +89,7 @@ def eval_module(model):
         return model
     cached = getattr(model, "_eval_compiled", None)
     if cached is None:
-        cached = torch.compile(plain_module(model), backend=model._eval_backend, dynamic=False)
+        cached = torch.compile(plain_module(model), backend=model._eval_backend, dynamic=False,
+                               mode=getattr(model, "_eval_mode", None))
         model.__dict__["_eval_compiled"] = cached
     return cached

@@ -8,6 +8,7 @@ A run can start inside an epoch (a resumed mid-epoch checkpoint): the sampler st
 step of the same shuffle, the LR schedule at that step, and the seed of dropout & co. is a pure
 function of (seed, epoch, step, rank), so nothing about the RNG needs saving.
 """
+import collections
 import math
 import random
 import time
@@ -145,6 +146,29 @@ def step_seed(seed, epoch, step, rank):
     return ((((seed * 1_000_003 + epoch) * 1_000_033 + step) * 1_009 + rank) * 7919) % (2 ** 63)
 
 
+class RunAhead:
+    """Keeps the host at most `depth` optimizer steps ahead of the GPU (CUDA only; else a no-op).
+
+    Left alone, the loop queues kernels until CUDA's launch queue is full and then blocks inside a
+    kernel launch still holding the GIL, which starves the thread that decodes the next batch
+    (gpu backend) or copies it to the device (cpu backend). Waiting on an event from `depth`
+    steps back lets go of the GIL instead, and with that many steps queued the GPU never waits
+    for the host. Not a device synchronisation: the newest steps keep running."""
+
+    def __init__(self, device, depth=2):
+        self.depth = depth
+        self.events = collections.deque() if torch.device(device).type == "cuda" else None
+
+    def step_queued(self):
+        if self.events is None:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.events.append(event)
+        if len(self.events) > self.depth:
+            self.events.popleft().synchronize()
+
+
 def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
                     phases=NoPhases(), log=print, progress=NoProgress(), first_step=0, stop=NoStop(),
                     on_step=None, augment=None):
@@ -168,6 +192,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
     interval_steps, time_avg_sum, time_avg_n = 0, 0.0, 0
     next_step, diverged, lr = None, None, None
     batches = iter(data.train)
+    run_ahead = RunAhead(accelerator.device)
     progress.begin((steps - first_step) * global_batch, f"Epoch {epoch}")  # a bar on a terminal
     step = first_step - 1
     for step in range(first_step, steps):
@@ -196,6 +221,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
             precision.step(optimizer)
             precision.update_ema(model)
             precision.zero_grad(model, optimizer)
+        run_ahead.step_queued()
         progress.advance(global_batch)
         interval_steps += 1
         last = step + 1 == steps
@@ -265,11 +291,13 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
     steps = len(data.val)
     start = time.perf_counter()
     progress.begin(steps, "Test", unit="batch")
+    run_ahead = RunAhead(accelerator.device)
     for step, (images, target) in enumerate(data.val):
         with precision.autocast():
             output = model(images)
             loss = criterion(output, target)
         meter.update(loss, output, target)
+        run_ahead.step_queued()
         progress.advance()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps:
             running = averages(meter.sums.tolist())  # this process only: no collective here

@@ -55,18 +55,34 @@ def exit_on_usage_error(main):
         return main()
     except UsageError as err:
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        leave(EXIT_USAGE)
     except WriteError as err:
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_WRITE_FAILED)
+        leave(EXIT_WRITE_FAILED)
     except Diverged as err:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops at the same step; one message
             print(f"{prog}: stopped: {err}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_DIVERGED)
+        leave(EXIT_DIVERGED)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (utils/preemption.py handles it inside)
         print(f"{prog}: interrupted (Ctrl-C) outside the training steps; no checkpoint was written for it",
               file=sys.stderr, flush=True)
         sys.exit(EXIT_SIGINT)
+
+
+def leave(code):
+    """sys.exit(code); in a process of a multi-process run, os._exit after flushing instead.
+
+    A process that leaves early while its gloo/NCCL process group is alive can abort in the
+    C++ teardown at interpreter exit ("terminate called without an active exception", SIGABRT)
+    when its peers leave at the same moment: seen once in a 2-process refusal test. Everything
+    this script wrote is already on disk (atomic writes), so skipping that teardown loses nothing."""
+    import os
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def one_line(err):

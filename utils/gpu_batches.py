@@ -11,12 +11,22 @@ int64 targets on the device; GpuBatches iterates a loader through it (the prefet
 len() and (images, targets) batches). Everything runs on CPU tensors as well (torchvision's CPU
 decode_jpeg in place of nvJPEG), which is how the tests cover it without a GPU.
 
+Two decoders for the JPEG payloads (--jpeg-decoder): `cuda`, torchvision's batched nvJPEG, which
+runs on the GPU's streaming multiprocessors and so takes turns with the training step; and
+`hardware`, nvImageCodec on the JPEG engines that A100/H100/H200-class GPUs carry beside the SMs,
+which decodes while the step runs (optional: `pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg`,
+cu12 for CUDA 12 builds). auto takes hardware where it can be created, else cuda. An image the
+engines refuse is decoded by nvJPEG, then by PIL.
+
 Resampling is separable and batched: per image and axis a (size x length) weight matrix with
 PIL's kernels (bilinear/bicubic with antialiasing support scaling, nearest), so a whole chunk of
 images is two batched matmuls over a zero-padded canvas. The weights are zero outside each
 image's crop region, so the padding never leaks in, and a flip is the horizontal matrix reversed.
 """
+import contextlib
 import io
+import os
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -27,7 +37,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 
 GPU = "gpu"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -349,6 +359,90 @@ def reference_crop(picture, box, size, train=True, interpolation="bilinear"):
     return F.hflip(out) if flip else out
 
 
+# ----------------------------------------------------------------------------- JPEG decoders
+
+JPEG_DECODERS = ("auto", "cuda", "hardware")
+NVIMGCODEC_INSTALL = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg (-cu12 for a CUDA 12 build of torch)"
+
+
+@contextlib.contextmanager
+def _stderr_kept_aside():
+    """Hold the process's stderr (fd 2) in a temporary file; yields a function returning it.
+
+    nvImageCodec loads every codec extension it ships and prints an error line for each library
+    it does not find (JPEG 2000, TIFF), although JPEG decoding needs neither: users would see
+    "[ERROR]" lines on every run. The text is kept and shown only when creating the decoder fails.
+    """
+    import tempfile
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lambda: (held.seek(0), held.read().decode(errors="replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+class HardwareJpeg:
+    """Batched JPEG decode on the GPU's hardware JPEG engines through nvImageCodec.
+
+    __call__(payloads, stream) -> per payload a uint8 CHW tensor on the device, or None where the
+    engines refused the file. Decoding is ordered on `stream` (the GpuBatchDecoder's own). The
+    engines take no SM time, so they decode the next batch while the training step runs; nvJPEG
+    on the SMs (`cuda`) slows the step by about the decode's own time instead.
+    Raises RuntimeError (with nvImageCodec's own words) where no hardware decoder can be made:
+    nvImageCodec missing, or a GPU without JPEG engines.
+    """
+
+    def __init__(self, device):
+        try:
+            from nvidia import nvimgcodec
+        except ImportError:
+            raise RuntimeError("nvImageCodec is not installed") from None
+        self.device = torch.device(device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        with _stderr_kept_aside() as held:
+            try:
+                backend = nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)
+                self.decoder = nvimgcodec.Decoder(device_id=index, backends=[backend])
+            except Exception as err:  # nvImageCodec's RuntimeError on a GPU without JPEG engines
+                detail = " ".join(line for line in held().splitlines() if "ERROR" in line)[:300]
+                raise RuntimeError(f"nvImageCodec found no hardware JPEG decoder: {first_line(err)}"
+                                   + (f" ({detail})" if detail else "")) from None
+        self.nvimgcodec = nvimgcodec
+        # As PIL and torchvision decode for the cpu backend: RGB, 8 bits, EXIF orientation not applied.
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
+                                              allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.I_RGB)
+        self.previous = None
+
+    def __call__(self, payloads, stream):
+        sources = [self.nvimgcodec.CodeStream(payload.numpy()) for payload in payloads]
+        images = self.decoder.decode(sources, params=self.params, cuda_stream=stream.cuda_stream)
+        # The last batch's images stay referenced until this call: their memory is then surely no
+        # longer read by the resampling queued on `stream` (the caller synchronised it first).
+        self.previous = images
+        return [None if image is None else torch.as_tensor(image, device=self.device).permute(2, 0, 1)
+                for image in images]
+
+
+def settle_jpeg_decoder(wanted, device):
+    """(decoder name, why) for --jpeg-decoder: hardware where one can be made, else cuda (auto);
+    hardware asked for and impossible is a UsageError naming what is missing."""
+    if wanted == "cuda":
+        return "cuda", "--jpeg-decoder"
+    try:
+        HardwareJpeg(device)
+    except RuntimeError as err:
+        if wanted == "hardware":
+            raise UsageError(f"--jpeg-decoder hardware: no hardware JPEG decoder here ({err}); it needs "
+                             f"nvImageCodec ({NVIMGCODEC_INSTALL}) and a GPU with JPEG engines (A100, "
+                             "H100, H200, ...); use --jpeg-decoder cuda") from None
+        return "cuda", f"auto: {err}"
+    return "hardware", "--jpeg-decoder" if wanted == "hardware" else "auto: nvImageCodec finds JPEG engines"
+
+
 # ----------------------------------------------------------------------------- main-process side
 
 class GpuBatchDecoder:
@@ -363,7 +457,7 @@ class GpuBatchDecoder:
     """
 
     def __init__(self, device, image_size, mean, std, channels_last=False, cpu_fallback=pil_rgb,
-                 name_of=str, interpolation="bilinear", train=True):
+                 name_of=str, interpolation="bilinear", train=True, jpeg_decoder="cuda"):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.size, self.train, self.interpolation = image_size, train, interpolation
@@ -373,7 +467,10 @@ class GpuBatchDecoder:
         self.dtype = torch.float16 if self.cuda else torch.float32
         self.mean = torch.tensor([m * 255 for m in mean], device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor([s * 255 for s in std], device=self.device).view(1, 3, 1, 1)
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # High priority: the decode path's few small kernels are then not queued behind a whole
+        # training step's, so the next batch is ready when the step ends.
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
+        self.hardware = HardwareJpeg(self.device) if self.cuda and jpeg_decoder == "hardware" else None
 
     def __call__(self, packed):
         if not self.cuda:
@@ -420,6 +517,17 @@ class GpuBatchDecoder:
         return pictures
 
     def _decode_jpegs(self, payloads, indices):
+        if self.hardware is None:
+            return self._nvjpeg(payloads, indices)
+        pictures = self.hardware(payloads, self.stream)
+        refused = [k for k, picture in enumerate(pictures) if picture is None]
+        if refused:  # the engines take baseline 4:2:0/4:2:2/4:4:4 files; nvJPEG or PIL the rest
+            again = self._nvjpeg([payloads[k] for k in refused], [indices[k] for k in refused])
+            for k, picture in zip(refused, again):
+                pictures[k] = picture
+        return pictures
+
+    def _nvjpeg(self, payloads, indices):
         try:
             return decode_jpeg(payloads, mode=ImageReadMode.RGB, device=self.device)
         except RuntimeError:

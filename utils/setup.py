@@ -44,7 +44,7 @@ def parse_args(parser, argv=None):
 # Flags a resumed run never takes from its checkpoint: where and how this run starts, and what the
 # machine decided (data backend, memory format, worker count are settled again for this device).
 NOT_RESUMED = ("resume", "config", "output_dir", "start_epoch", "evaluate", "overwrite", "local_rank",
-               "data_backend", "channels_last", "workers", "prof")
+               "data_backend", "jpeg_decoder", "channels_last", "workers", "prof")
 
 
 def parse_flags(parser, argv=None):
@@ -311,8 +311,17 @@ def resolve_device_defaults(args, device_type):
     else:
         backend, why = wanted, "--data-backend"
     args.data_backend = backend
-    decode = {"gpu": "nvJPEG batch decode + crops on the GPU", "cpu": "PIL decode + crops in workers",
-              "none": ""}[backend]
+    decoder = getattr(args, "jpeg_decoder", "auto")
+    if backend != "gpu" and decoder != "auto":
+        raise UsageError(f"--jpeg-decoder {decoder} applies to the gpu data backend only, and this run uses "
+                         f"{'no input pipeline' if backend == 'none' else 'the cpu backend'}; drop the flag")
+    if backend == "gpu":
+        from .gpu_batches import settle_jpeg_decoder
+        args.jpeg_decoder, decoder_why = settle_jpeg_decoder(decoder, "cuda")
+        engines = "hardware JPEG engines" if args.jpeg_decoder == "hardware" else "nvJPEG"
+        decode = f"{engines} batch decode + crops on the GPU; jpeg decoder {args.jpeg_decoder}, {decoder_why}"
+    else:
+        decode = {"cpu": "PIL decode + crops in workers", "none": ""}[backend]
     args.input_line = (f"=> input: {backend} backend" + (f" ({decode})" if decode else "") +
                        f", {why} | {layout}" + (f" | torch.compile {args.compile}" if args.compile else ""))
 
@@ -361,7 +370,7 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
     precision.skips_on_device = built.skips_on_device
     model, optimizer = accelerator.prepare(model, built.optimizer)
     if args.compile:  # after prepare: DDP's buckets see the compiled graph (utils/compiled.py)
-        model = compile_model(model, args.compile, accelerator.print)
+        model = compile_model(model, args.compile, accelerator.print, getattr(args, "compile_mode", "default"))
     return model, optimizer, precision
 
 

@@ -1,0 +1,72 @@
+"""--jpeg-decoder and --compile-mode: how they resolve, and the mistakes they refuse.
+
+The decoders themselves run in tests/test_gpu_batches.py (marked gpu, both decoders)."""
+import argparse
+
+import pytest
+import torch
+
+from conftest import QUICK
+from test_train import usage_error  # noqa: F401  (fixture)
+from utils.compiled import compile_model, plain_module, resolve_compile
+from utils.errors import UsageError
+from utils.gpu_batches import HardwareJpeg, settle_jpeg_decoder
+from utils.setup import resolve_device_defaults
+
+
+def resolved(device_type, **flags):
+    args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False,
+                              jpeg_decoder="auto")
+    vars(args).update(flags)
+    resolve_device_defaults(args, device_type)
+    return args
+
+
+def nvimgcodec_installed():
+    try:
+        import nvidia.nvimgcodec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(nvimgcodec_installed(), reason="checks the fallback when nvImageCodec is absent")
+def test_auto_falls_back_to_nvjpeg_and_says_why():
+    args = resolved("cuda")
+    assert args.data_backend == "gpu" and args.jpeg_decoder == "cuda"
+    assert "jpeg decoder cuda, auto: nvImageCodec is not installed" in args.input_line
+    with pytest.raises(RuntimeError, match="not installed"):
+        HardwareJpeg("cuda")
+    with pytest.raises(UsageError, match="--jpeg-decoder hardware: .*pip install nvidia-nvimgcodec"):
+        settle_jpeg_decoder("hardware", "cuda")
+
+
+def test_cuda_decoder_asked_for_is_kept():
+    assert resolved("cuda", jpeg_decoder="cuda").jpeg_decoder == "cuda"
+    assert "jpeg decoder cuda, --jpeg-decoder" in resolved("cuda", jpeg_decoder="cuda").input_line
+
+
+def test_jpeg_decoder_outside_the_gpu_backend_is_refused():
+    with pytest.raises(UsageError, match="applies to the gpu data backend only.*cpu backend"):
+        resolved("cpu", jpeg_decoder="hardware")
+    with pytest.raises(UsageError, match="no input pipeline"):
+        resolved("cuda", data="synthetic", jpeg_decoder="cuda")
+    assert resolved("cpu").jpeg_decoder == "auto"  # left as it is: no decoder runs on the cpu backend
+
+
+def test_flag_mistakes_exit_2(usage_error):  # noqa: F811
+    if not torch.cuda.is_available():
+        usage_error(["--jpeg-decoder", "hardware", *QUICK], "--jpeg-decoder hardware", "cpu backend")
+    usage_error(["--compile-mode", "reduce-overhead", *QUICK], "--compile-mode reduce-overhead needs --compile")
+    usage_error(["--jpeg-decoder", "nvdec", *QUICK], "invalid choice")
+
+
+def test_compile_mode_reaches_torch_compile():
+    args = argparse.Namespace(compile=True, compile_mode="max-autotune-no-cudagraphs")
+    assert resolve_compile(args) is None and args.compile == "inductor"
+    lines = []
+    model = torch.nn.Linear(3, 2)
+    compiled = compile_model(model, args.compile, lines.append, args.compile_mode)
+    assert plain_module(compiled) is model and compiled._eval_mode == "max-autotune-no-cudagraphs"
+    # other backends take no mode: it is dropped rather than refused by torch.compile
+    assert compile_model(model, "eager", lines.append, "reduce-overhead")._eval_mode is None
