@@ -30,7 +30,11 @@ def kept_checkpoints(output_dir):
 def save_checkpoint(state, is_best, output_dir, keep=0):
     """checkpoint.pth.tar every call; model_best.pth.tar as well when is_best; with keep > 0 and an
     end-of-epoch state (step 0), also checkpoint-epochNNN.pth.tar (NNN = state["epoch"], the epochs
-    finished), removing the older copies beyond the last keep. Returns the paths written.
+    finished), removing the older copies beyond the last keep: that copy and the keep - 1 newest
+    before it stay. Copies numbered after it stay too: they are left from a continuation that a
+    resume from an older copy abandoned, and this run overwrites them as it gets there (pruning
+    them instead would delete the copy just written as "not among the newest"). Returns the paths
+    written.
 
     fsync before each rename: after a power cut a checkpoint is the old one or the new one, never
     a renamed but empty file. Called by the main process only, so only it removes old copies.
@@ -41,8 +45,10 @@ def save_checkpoint(state, is_best, output_dir, keep=0):
     if is_best:
         written.append(copy_atomic(path, os.path.join(output_dir, BEST), fsync=True))
     if keep > 0 and not state.get("step", 0):
-        written.append(copy_atomic(path, os.path.join(output_dir, kept_name(state["epoch"])), fsync=True))
-        for _, name in kept_checkpoints(output_dir)[:-keep]:
+        epoch = state["epoch"]
+        written.append(copy_atomic(path, os.path.join(output_dir, kept_name(epoch)), fsync=True))
+        older = [name for finished, name in kept_checkpoints(output_dir) if finished < epoch]
+        for name in older[:max(len(older) - (keep - 1), 0)]:  # never the copy just written
             os.remove(os.path.join(output_dir, name))
     return written
 

@@ -98,16 +98,58 @@ class NoStop:
 
 
 def ignore_stop_signals_in_worker(worker_id):
-    """DataLoader worker_init_fn: Ctrl-C is the main process's to handle.
+    """DataLoader worker_init_fn: stopping is the main process's job. A worker outlives the stop
+    signals that reach every process of a run, yet still ends when its main process ends it.
 
-    Ctrl-C reaches every process of the terminal's process group, loader workers included; a
-    worker it ended would make the main process fail ("DataLoader worker exited unexpectedly")
-    before it could save. SIGTERM keeps its default: the DataLoader and multiprocessing end
-    workers with it at shutdown (a worker ignoring it hangs the exit of a failing main process),
-    so a SIGTERM sent to every process of a job (Slurm does) can still end a worker first: see
-    docs/troubleshooting.md for sending it to the training processes only.
+    Ctrl-C (SIGINT) reaches every process of the terminal's process group: ignored here. Slurm
+    (time limit, preemption, scancel) sends SIGTERM to every process of the job step, workers
+    included; a worker it ended would make the main process fail ("DataLoader worker exited
+    unexpectedly") before it could save. But SIGTERM is also how the DataLoader and
+    multiprocessing end a worker at shutdown, and after a crash multiprocessing's exit hook sends
+    it once and then waits for the worker with no time limit: a worker that swallowed that one
+    would hang the exit. So the sender decides (a waiting thread reads it; a Python handler cannot):
+      - from the main process: exit 0 at once, as torch's own worker handler does (an exit code
+        0, so the main process's SIGCHLD check reports no "killed worker" while it exits);
+      - the first from anyone else: swallowed. The main process got the same signal; it stops at
+        a step boundary and shuts the loader down as usual;
+      - a second from anyone else (a user insisting): the default, the worker dies of it.
+    A worker whose main process dies without a word (SIGKILL) exits by itself: torch's worker
+    loop watches its parent. Where signal.sigwaitinfo is missing (macOS, Windows) SIGTERM keeps
+    torch's handling: see docs/troubleshooting.md for sending it to the training processes only.
+    A program a worker runs inherits the blocked SIGTERM (a signal mask survives exec); a
+    dataset that starts one should unblock it there (signal.pthread_sigmask in preexec_fn).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    # The default action for the second signal (torch set a handler of its own before this).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # SIGTERM waits, pending, for the thread below: blocked here and in every thread started from
+    # here on (they inherit the mask). One that does not block it gets the default: no worse.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    import multiprocessing
+    import threading
+    # The process that started this worker: its parent under fork, not under forkserver (the
+    # default from Python 3.14), where the parent is the fork server; multiprocessing knows both.
+    main = multiprocessing.parent_process()
+    threading.Thread(target=_sigterm_by_sender, args=(main.pid if main else os.getppid(),), daemon=True,
+                     name="sigterm-by-sender").start()
+
+
+def _sigterm_by_sender(main_pid):
+    """The worker's SIGTERM rules (ignore_stop_signals_in_worker), in a thread of its own."""
+    swallowed = False
+    while True:
+        sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+        if sender == main_pid:
+            os._exit(0)
+        if swallowed:
+            break
+        swallowed = True
+    # Unblocked in this thread alone, the signal lands here, and the default action ends the
+    # whole process: its exit status says "killed by SIGTERM", as before this function.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def resume_command(path, argv=None, launcher=None):

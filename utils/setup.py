@@ -415,7 +415,8 @@ def resume_step(args, checkpoint, accelerator):
     if saved != now:
         raise UsageError(f"checkpoint {args.resume!r} stopped inside epoch {checkpoint['epoch']} at step "
                          f"{step} of global batch {saved}, but this run's global batch is {now} "
-                         f"(--batch-size {args.batch_size} x {accelerator.num_processes} process(es)); "
+                         f"(--batch-size {args.batch_size} x {accelerator.num_processes} process(es) x "
+                         f"--accum-steps {getattr(args, 'accum_steps', 1)}); "
                          f"resume with a global batch of {saved}")
     return step
 
@@ -472,15 +473,18 @@ def check_resume_meaning(args, checkpoint, recipe, accelerator, classes=None):
                 if checkpoint.get("loss_scale") or recipe.loss_scale is not None else "")
             warn(accelerator, f"resuming a checkpoint trained at {before} with {after}: its fp32 weights "
                               f"and optimizer state carry over{carried}")
+    # Global batch = batch x processes x accumulation steps on both sides (global_batch()); a
+    # checkpoint whose args lack accum_steps was written before --accum-steps: 1.
     stored = checkpoint.get("args") or {}
-    old_batch, old_world = stored.get("batch_size"), checkpoint.get("world_size")
-    world = accelerator.num_processes
-    if isinstance(old_batch, int) and (old_batch != args.batch_size or (old_world or world) != world):
-        old_global = old_batch * (old_world or world)
-        new_global = args.batch_size * world
+    old_batch, old_world = stored.get("batch_size"), checkpoint.get("world_size") or accelerator.num_processes
+    old_accum = stored.get("accum_steps") or 1
+    if isinstance(old_batch, int) and isinstance(old_accum, int):
+        old_global, new_global = old_batch * old_world * old_accum, global_batch(args, accelerator)
         if old_global != new_global:
             warn(accelerator, f"resuming with global batch {new_global} (--batch-size {args.batch_size} x "
-                              f"{world} process(es)) where the checkpoint had {old_global}: the LR scales with "
-                              f"it ({args.lr * old_global / 256:g} -> {args.lr * new_global / 256:g} at full "
+                              f"{accelerator.num_processes} process(es) x --accum-steps "
+                              f"{getattr(args, 'accum_steps', 1)}) where the checkpoint had {old_global} "
+                              f"({old_batch} x {old_world} x {old_accum}): the LR scales with it "
+                              f"({args.lr * old_global / 256:g} -> {args.lr * new_global / 256:g} at full "
                               "rate) and the epoch's shuffle is cut differently")
     return same_dtype
