@@ -1,12 +1,23 @@
 #!/usr/bin/env python3
-"""Run train.py once per precision config and tabulate img/s and the loss trend.
+"""Run train.py once per precision config and tabulate speed, loss trend and top-1.
 
+Two sets of configs (--set):
+  speed (default): O0, O1, O2, O3, O3 + keep-BN, O1/O2 with a static loss scale of 128, all fp16;
+    one epoch of --steps steps (default 200) each:
     tools/opt_level_sweep.py DATA --steps 200 --out-dir sweep -- -a resnet50 -b 256 -j 16
+  accuracy: O0 once, then O1, O2 and O3 + keep-BN in fp16 and in bf16 (7 configs), each trained
+    the same recipe for --epochs full epochs (--steps, if given, caps the steps an epoch):
+    tools/opt_level_sweep.py /tmp/fake --set accuracy --epochs 8 --out-dir levels -- -a resnet18 -b 256 -j 8 --image-size 128 --lr-schedule cosine
 
-Every config trains --steps steps (one epoch, --print-freq 20) and validates; the table gives the
-mean training speed over the second half of the log intervals (steady state), the first and last interval
-loss, the skipped steps and the final loss scale. Into --out-dir (default ./opt_level_sweep) go
-each config's run directory and the table, as opt_level_sweep.csv and opt_level_sweep.md.
+--configs picks some configs of the set by name, e.g. --configs "O0,O2 bf16". Everything after
+`--` goes to train.py unchanged (it may override the sweep's own flags: train.py takes the last).
+
+The table gives the mean training speed over the second half of the last epoch's log intervals
+(steady state), the first and last interval loss, the skipped steps and the final loss scale, the
+last epoch's validation top-1 and top-5, and the best top-1 of any epoch. Into --out-dir (default
+./opt_level_sweep) go each config's run directory (with train.log, what the run printed) and the
+table, as opt_level_sweep.csv and opt_level_sweep.md, both rewritten after every config. A config
+that fails still gets a row, holding its last error line; the exit code is then 1.
 """
 import argparse
 import csv
@@ -20,8 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
 from utils.files import atomic_write  # noqa: E402
 
-KEYS = ["config", "img/s", "first loss", "last loss", "skipped", "scale", "val top1", "recipe"]
-CONFIGS = {
+KEYS = ["config", "img/s", "first loss", "last loss", "skipped", "scale", "top1", "top5", "best top1", "recipe"]
+SPEED = {
     "O0": ["--opt-level", "O0"],
     "O1": ["--opt-level", "O1"],
     "O2": ["--opt-level", "O2"],
@@ -30,29 +41,61 @@ CONFIGS = {
     "O1 + loss-scale 128": ["--opt-level", "O1", "--loss-scale", "128"],
     "O2 + loss-scale 128": ["--opt-level", "O2", "--loss-scale", "128"],
 }
-LINE = re.compile(r"Epoch: \[\d+\]\[(\d+)/\d+\]\tTime ([\d.]+) .*?Speed ([\d.]+) .*?Loss ([\d.]+) ")
+HALF_LEVELS = {name: SPEED[name] for name in ("O1", "O2", "O3 + keep-BN")}
+# The dtype is always named: an Accelerate config asking for another one must not change a row.
+ACCURACY = {"O0": ["--opt-level", "O0", "--mixed-precision", "no"],
+            **{f"{name} {dtype}": [*flags, "--mixed-precision", dtype]
+               for dtype in ("fp16", "bf16") for name, flags in HALF_LEVELS.items()}}
+SETS = {"speed": SPEED, "accuracy": ACCURACY}
+DEFAULT_STEPS = {"speed": 200, "accuracy": 0}  # 0: train.py's whole train split an epoch
+
+LINE = re.compile(r"Epoch: \[(\d+)\]\[\d+/\d+\]\tTime [\d.]+ .*?Speed ([\d.]+) .*?Loss ([\d.]+) ")
 SCALE = re.compile(r"Skipped (\d+)\tScale ([\d.e+]+)")
+FINAL = re.compile(r"^ \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)$", re.MULTILINE)  # not the " * EMA Prec@1" line
 
 
-def run(name, flags, data, steps, extra, out_dir):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), data, "--epochs", "1", "--steps-per-epoch",
-           str(steps), "--print-freq", "20", "--output-dir", os.path.join(out_dir, name.replace(" ", "_")),
-           *flags, *extra]
+def run(name, flags, data, epochs, steps, extra, out_dir):
+    """Train one config; its table row (or {"config", "error"} when train.py failed)."""
+    run_dir = os.path.join(out_dir, name.replace(" ", "_"))
+    # --overwrite: a sweep run again into the same --out-dir replaces its own earlier runs.
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), data, "--epochs", str(epochs), "--steps-per-epoch",
+           str(steps), "--print-freq", "20", "--output-dir", run_dir, "--overwrite", *flags, *extra]
     result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        return {"config": name, "error": (result.stderr.strip().splitlines() or ["?"])[-1]}
+    os.makedirs(run_dir, exist_ok=True)  # train.py may have failed before making it
+    atomic_write(os.path.join(run_dir, "train.log"), result.stdout + result.stderr)
     lines = LINE.findall(result.stdout)
-    # Steady state: the second half of the log intervals. Early intervals hold cuDNN autotuning
-    # and, on JPEG data, batches the workers queued up during start-up (prefetch), which would
-    # flatter the input pipeline.
-    speeds = [float(s) for _, _, s, _ in lines[len(lines) // 2:]]
-    scale = SCALE.findall(result.stdout)
-    top1 = re.findall(r" \* Prec@1 ([\d.]+)", result.stdout)
-    precision = next(l for l in result.stdout.splitlines() if l.startswith("precision:"))
-    return {"config": name, "img/s": round(sum(speeds) / len(speeds), 1), "first loss": float(lines[0][3]),
-            "last loss": float(lines[-1][3]), "skipped": int(scale[-1][0]) if scale else 0,
-            "scale": scale[-1][1] if scale else "-", "val top1": top1[-1] if top1 else "-",
-            "recipe": precision[len("precision: "):]}
+    if result.returncode != 0 or not lines:
+        why = (result.stderr.strip().splitlines() or ["no training log lines"])[-1]
+        return {"config": name, "error": f"exit code {result.returncode}: {why}"}
+    return {"config": name, **speed_and_loss(lines), **scale_fields(result.stdout),
+            **accuracy(result.stdout), "recipe": recipe_line(result.stdout)}
+
+
+def speed_and_loss(lines):
+    # Steady state: the second half of the last epoch's log intervals. Early intervals hold cuDNN
+    # autotuning and, on JPEG data, batches the workers queued up during start-up (prefetch),
+    # which would flatter the input pipeline.
+    last_epoch = [line for line in lines if line[0] == lines[-1][0]]
+    speeds = [float(speed) for _, speed, _ in last_epoch[len(last_epoch) // 2:]]
+    return {"img/s": round(sum(speeds) / len(speeds), 1), "first loss": float(lines[0][2]),
+            "last loss": float(lines[-1][2])}
+
+
+def scale_fields(stdout):
+    scale = SCALE.findall(stdout)  # none at O0 and for bf16 (no loss scale)
+    return {"skipped": int(scale[-1][0]) if scale else 0, "scale": scale[-1][1] if scale else "-"}
+
+
+def accuracy(stdout):
+    """The last epoch's top-1 and top-5 and the best top-1 of any epoch, as train.py printed them."""
+    finals = [(float(top1), float(top5)) for top1, top5 in FINAL.findall(stdout)]
+    if not finals:
+        return {"top1": "-", "top5": "-", "best top1": "-"}
+    return {"top1": finals[-1][0], "top5": finals[-1][1], "best top1": max(top1 for top1, _ in finals)}
+
+
+def recipe_line(stdout):
+    return next((l[len("precision: "):] for l in stdout.splitlines() if l.startswith("precision: ")), "-")
 
 
 def cell(value):
@@ -82,25 +125,57 @@ def write_csv(path, rows):
     atomic_write(path, write)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("data")
-    parser.add_argument("--steps", type=int, default=200)
+def chosen_configs(parser, args):
+    """The configs of --set, narrowed to --configs (in the set's order) when given."""
+    configs = SETS[args.set]
+    if args.configs is None:
+        return configs
+    wanted = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in configs]
+    if unknown or not wanted:
+        parser.error(f"--configs: {', '.join(map(repr, unknown)) or 'no names'} not in the {args.set} set; "
+                     f"its configs: {', '.join(configs)}")
+    return {name: flags for name, flags in configs.items() if name in wanted}
+
+
+def parse_args():
+    # No abbreviations: train.py's --config (a YAML recipe) must not be read as our --configs.
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("data", help="what train.py trains on: an ImageFolder root, digits, synthetic, ...")
+    parser.add_argument("--set", choices=sorted(SETS), default="speed",
+                        help="speed: 7 fp16 configs, 1 epoch each; accuracy: O0 and O1/O2/O3 + keep-BN in "
+                             "fp16 and bf16 (default: speed)")
+    parser.add_argument("--configs", metavar="A,B",
+                        help="only these configs of the set, comma-separated names (default: all)")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs each config trains (default: 1)")
+    parser.add_argument("--steps", type=int,
+                        help="training steps an epoch; 0 means the whole train split (default: 200 for "
+                             "the speed set, 0 for the accuracy set)")
     parser.add_argument("--out-dir", default="opt_level_sweep",
                         help="where each config's run and the tables go (default: ./opt_level_sweep)")
     args, extra = parser.parse_known_args()  # the rest goes to train.py
-    extra = [a for a in extra if a != "--"]
+    if args.epochs < 1:
+        parser.error(f"--epochs must be at least 1, not {args.epochs}")
+    if args.steps is not None and args.steps < 0:
+        parser.error(f"--steps must be 0 (whole epochs) or more, not {args.steps}")
+    args.steps = DEFAULT_STEPS[args.set] if args.steps is None else args.steps
+    args.configs = chosen_configs(parser, args)
+    return args, [a for a in extra if a != "--"]
+
+
+def main():
+    args, extra = parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     rows = []
-    for name, flags in CONFIGS.items():
-        rows.append(run(name, flags, args.data, args.steps, extra, args.out_dir))
+    for name, flags in args.configs.items():
+        rows.append(run(name, flags, args.data, args.epochs, args.steps, extra, args.out_dir))
         print(rows[-1], flush=True)
         # Rewritten after every config, so a sweep cut short keeps what it measured.
         write_csv(os.path.join(args.out_dir, "opt_level_sweep.csv"), rows)
-    table = markdown_table(rows)
-    atomic_write(os.path.join(args.out_dir, "opt_level_sweep.md"), table)
-    print(table, end="")
+        atomic_write(os.path.join(args.out_dir, "opt_level_sweep.md"), markdown_table(rows))
+    print(markdown_table(rows), end="")
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
