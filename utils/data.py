@@ -11,7 +11,8 @@ import torch
 from torchvision import datasets as tv_datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .batches import IMAGENET_MEAN, IMAGENET_STD, Data, sharded_data, train_transform, val_transform
+from .batches import (IMAGENET_MEAN, IMAGENET_STD, Data, rgb_loader, sharded_data, train_transform,
+                      val_transform)
 from .cli import source_kind
 from .digits import ensure_digits
 from .errors import UsageError
@@ -146,7 +147,7 @@ class SafeImageFolder(tv_datasets.ImageFolder):
 def image_folder(path, split, transform):
     split_dir = os.path.join(path, split)
     try:
-        return SafeImageFolder(split_dir, transform=transform)
+        return SafeImageFolder(split_dir, transform=transform, loader=rgb_loader)
     except (FileNotFoundError, RuntimeError) as err:
         raise UsageError(f"{split_dir!r} holds no images in class folders ({err}); the layout is "
                          f"DATA/{split}/<class>/*.jpg") from None

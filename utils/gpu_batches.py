@@ -11,12 +11,15 @@ int64 targets on the device; GpuBatches iterates a loader through it (the prefet
 len() and (images, targets) batches). Everything runs on CPU tensors as well (torchvision's CPU
 decode_jpeg in place of nvJPEG), which is how the tests cover it without a GPU.
 
-Two decoders for the JPEG payloads (--jpeg-decoder): `cuda`, torchvision's batched nvJPEG, which
-runs on the GPU's streaming multiprocessors and so takes turns with the training step; and
-`hardware`, nvImageCodec on the JPEG engines that A100/H100/H200-class GPUs carry beside the SMs,
-which decodes while the step runs (optional: `pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg`,
-cu12 for CUDA 12 builds). auto takes hardware where it can be created, else cuda. An image the
-engines refuse is decoded by nvJPEG, then by PIL.
+Two decoders for the JPEG payloads (--jpeg-decoder): `cuda`, torchvision's batched
+decode_jpeg(list, device="cuda"), and `hardware`, nvImageCodec with its hardware-only backend
+(optional: `pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg`, cu12 for CUDA 12 builds). Both
+reach the JPEG engines that A100/H100/H200-class GPUs carry beside the SMs: torchvision creates
+nvJPEG with its hardware backend where the GPU has one and sends the baseline files of a batch
+there (the rest through nvJPEG's hybrid path), so on such GPUs the two measured alike
+(docs/speed.md). `hardware` exists for control (a decoder that never falls back to the SMs
+silently) and for builds of torchvision without that path. auto takes hardware where it can be
+created, else cuda. An image the engines refuse is decoded by nvJPEG, then by PIL.
 
 Resampling is separable and batched: per image and axis a (size x length) weight matrix with
 PIL's kernels (bilinear/bicubic with antialiasing support scaling, nearest), so a whole chunk of
@@ -390,8 +393,9 @@ class HardwareJpeg:
 
     __call__(payloads, stream) -> per payload a uint8 CHW tensor on the device, or None where the
     engines refused the file. Decoding is ordered on `stream` (the GpuBatchDecoder's own). The
-    engines take no SM time, so they decode the next batch while the training step runs; nvJPEG
-    on the SMs (`cuda`) slows the step by about the decode's own time instead.
+    engines take no SM time, so they decode the next batch while the training step runs
+    (torchvision's batched decode reaches the same engines for baseline files; see the module
+    docstring).
     Raises RuntimeError (with nvImageCodec's own words) where no hardware decoder can be made:
     nvImageCodec missing, or a GPU without JPEG engines.
     """

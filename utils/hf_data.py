@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from .batches import sharded_data, train_transform, val_transform
+from .batches import as_rgb, sharded_data, train_transform, val_transform
 from .errors import UsageError, first_line
 
 VAL_SPLIT_NAMES = ("validation", "val", "valid")  # "test" is left out: hub test splits are often unlabelled
@@ -207,7 +207,7 @@ class HFImages(torch.utils.data.Dataset):
             image = row[self.image_column]
             if image is None:
                 raise ValueError("the row has no image")
-            image = image.convert("RGB")  # grey, CMYK or RGBA images, as ImageFolder's loader does
+            image = as_rgb(image)  # grey, CMYK or RGBA images, as ImageFolder's loader does
         except (OSError, ValueError, SyntaxError) as err:
             raise UsageError(f"cannot read image {index} of {self.where} ({first_line(err)}); fix or "
                              "drop that row") from None

@@ -1,0 +1,104 @@
+"""The cpu backend's loader pieces that set its per-image cost: RGB loading without a copy, the
+one-copy collate, the per-sample seed, and the loader-only benchmark tool (tools/benchmark_loader.py)."""
+import csv
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.datasets.folder import pil_loader
+
+from conftest import make_image_folder, run_script
+from utils.batches import SeededSamples, as_rgb, fast_collate, rgb_loader, train_transform
+from utils.data import image_folder
+
+
+def odd_files(folder):
+    """One file per mode a photo folder holds: RGB, grey and CMYK JPEG, PNG inside .JPEG, RGBA PNG."""
+    rng = np.random.RandomState(1)
+    rgb = Image.fromarray(rng.randint(0, 255, (30, 40, 3), dtype=np.uint8))
+    files = {"rgb.JPEG": (rgb, "JPEG"), "grey.JPEG": (rgb.convert("L"), "JPEG"),
+             "cmyk.JPEG": (rgb.convert("CMYK"), "JPEG"), "png_inside.JPEG": (rgb, "PNG"),
+             "rgba.png": (rgb.convert("RGBA"), "PNG")}
+    paths = []
+    for name, (image, kind) in files.items():
+        path = folder / name
+        image.save(path, kind)
+        paths.append(path)
+    return paths
+
+
+def test_rgb_loader_gives_torchvisions_pixels_for_every_mode(tmp_path):
+    for path in odd_files(tmp_path):
+        ours, theirs = rgb_loader(path), pil_loader(path)
+        assert ours.mode == "RGB" and ours.size == theirs.size, path
+        assert np.array_equal(np.asarray(ours), np.asarray(theirs)), path
+
+
+def test_as_rgb_keeps_an_rgb_image_and_converts_the_rest():
+    rgb = Image.new("RGB", (4, 3), (10, 20, 30))
+    assert as_rgb(rgb) is rgb  # no copy: the crop makes a new image anyway
+    grey = Image.new("L", (4, 3), 77)
+    converted = as_rgb(grey)
+    assert converted.mode == "RGB" and converted.getpixel((0, 0)) == (77, 77, 77)
+
+
+def test_rgb_loader_reads_the_whole_file_before_closing_it(tmp_path):
+    path = odd_files(tmp_path)[0]
+    image = rgb_loader(path)
+    path.unlink()  # PIL's lazy loading would need the file now; the loader must not
+    assert np.asarray(image).shape == (30, 40, 3)
+
+
+def test_fast_collate_equals_stacking_the_images():
+    rng = np.random.RandomState(0)
+    arrays = [rng.randint(0, 255, (5, 7, 3), dtype=np.uint8) for _ in range(4)]
+    images, targets = fast_collate([(Image.fromarray(a), label) for label, a in enumerate(arrays)])
+    assert images.dtype == torch.uint8 and images.shape == (4, 5, 7, 3)
+    assert torch.equal(images, torch.from_numpy(np.stack(arrays)))
+    assert targets.dtype == torch.int64 and targets.tolist() == [0, 1, 2, 3]
+
+
+def test_fast_collate_refuses_images_of_different_sizes():
+    with pytest.raises(ValueError):
+        fast_collate([(Image.new("RGB", (4, 4)), 0), (Image.new("RGB", (5, 4)), 1)])
+
+
+def test_each_sample_draws_the_same_torch_numbers_whatever_ran_before(tiny_folder):
+    """--aa policies draw from torch's CPU generator after SeededSamples seeded it from
+    (seed, epoch, index): the draws are the same in any order, and the same as seeding with
+    torch.manual_seed (the seed function used before), so earlier runs' augmentations repeat."""
+    draws = []
+
+    def record(image):
+        draws.append(torch.rand(2))
+        return image
+
+    samples = SeededSamples(image_folder(tiny_folder, "train", train_transform(16, 0.5, 0.5)), seed=3, extra=record)
+    samples[(4, 1)]
+    torch.rand(5)  # anything in between
+    samples[(2, 1)]
+    samples[(4, 1)]
+    assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])
+    torch.manual_seed(((3 * 1_000_003 + 1) * 10_000_019 + 4) % (2 ** 63))
+    assert torch.equal(draws[0], torch.rand(2))
+
+
+def test_loader_benchmark_writes_a_row_per_loader(tmp_path):
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=12, size=(64, 48), splits=("train",))
+    out = tmp_path / "loader.csv"
+    result = run_script("tools/benchmark_loader.py", data, "--workers", "0", "1", "-b", "4", "--batches", "5",
+                        "--warmup", "1", "--rounds", "1", "--image-size", "32", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert [(row["loader"], row["workers"]) for row in rows] == [
+        (name, workers) for workers in ("0", "1") for name in ("cpu", "timm", "gpu-workers")]
+    assert all(float(row["img_per_s"]) > 0 for row in rows)
+    assert {row["ratio_to_timm"] for row in rows if row["loader"] == "timm"} == {"1.0"}
+    assert "loader,workers,img_per_s,ratio_to_timm" in result.stdout
+
+
+def test_loader_benchmark_refuses_a_warmup_that_leaves_nothing(tmp_path):
+    result = run_script("tools/benchmark_loader.py", tmp_path, "--batches", "3", "--warmup", "3")
+    assert result.returncode == 2 and "--warmup 3 must be at least 1 and below --batches 3" in result.stderr
