@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Does the gpu backend's batch decode overlap the training step? Four rates, one process.
+
+    python tools/decode_overlap.py /data/fake_imagenet --batch-size 256 --steps 30
+
+The gpu input backend decodes a batch (utils.gpu_batches.GpuBatchDecoder: JPEG decode, crop,
+resize, normalise on the device) in a thread while the training step of the batch before runs.
+If the two overlapped fully, training from files would run at the step's own rate; if something
+serialises them, at about 1 / (1/step + 1/decode). This measures, on batches packed once from
+DATA/train and replayed (no loader workers: their cost is another question,
+tools/benchmark_loader.py's):
+
+  step             the training step alone on one random batch (plain PyTorch, channels_last,
+                   half weights + fp32 BatchNorm as --opt-level O2, fused SGD)
+  decode           GpuBatchDecoder alone, batch after batch
+  both, default    the step fed by the decode thread (train.py's arrangement: the step on
+                   torch's default stream)
+  both, side       the same with the step on a stream of its own (CUDA only): the default stream
+                   is CUDA's legacy stream, which every blocking CUDA call of a library (a
+                   cudaFree, a synchronous copy) waits for; a side stream does not
+
+and prints the overlap expected from the first two. On a machine without CUDA everything runs on the
+CPU (the decoder's CPU path), which checks the tool, not the GPU.
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torchvision  # noqa: E402
+
+from utils.batches import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
+from utils.crops import TrainBoxes  # noqa: E402
+from utils.data import image_folder  # noqa: E402
+from utils.engine import RunAhead  # noqa: E402
+from utils.gpu_batches import ByteSamples, GpuBatchDecoder, GpuBatches, pack_bytes  # noqa: E402
+
+
+def packed_batches(data, batch_size, count, seed=0):
+    """count batches packed from DATA/train, as loader workers would hand them over."""
+    dataset = image_folder(data, "train", None)
+    samples = ByteSamples(dataset.samples, TrainBoxes(seed, 0.08, 0.5))
+    if len(samples) < batch_size:
+        raise ValueError(f"{data}/train holds {len(samples)} images, fewer than one batch of {batch_size}; "
+                         "lower --batch-size")
+    return [pack_bytes([samples[((k * batch_size + i) % len(samples), 0)] for i in range(batch_size)])
+            for k in range(count)]
+
+
+def make_step(arch, device, batch_size, image_size):
+    """A training step on a given batch, as --opt-level O2 runs it (fp32 on the CPU)."""
+    model = torchvision.models.get_model(arch, num_classes=1000).to(device).to(memory_format=torch.channels_last)
+    half = device.type == "cuda"
+    if half:
+        model.half()
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.float()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=half)
+    criterion = torch.nn.CrossEntropyLoss()
+
+    def step(images, targets):
+        loss = criterion(model(images.half() if half else images).float(), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+class Replay:
+    """A loader of the same packed batches over and over, `steps` batches long."""
+
+    def __init__(self, batches, steps):
+        self.batches, self.steps = batches, steps
+
+    def __len__(self):
+        return self.steps
+
+    def __iter__(self):
+        return (self.batches[k % len(self.batches)] for k in range(self.steps))
+
+
+def rate(device, batch_size, steps, warmup, run_one):
+    """Images per second of run_one(k) over steps - warmup calls, after warmup calls."""
+    ahead = RunAhead(device)
+    for k in range(steps):
+        if k == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        run_one(k)
+        ahead.step_queued()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (steps - warmup) * batch_size / (time.perf_counter() - start)
+
+
+class OnStream:
+    """The decoder with `stream` current in the thread that calls it (None: that thread's default),
+    so the decoded batch is ordered before the work queued on `stream`; a decoder GpuBatches takes."""
+
+    def __init__(self, decoder, stream):
+        self.decoder, self.stream, self.cuda = decoder, stream, decoder.cuda
+
+    def __call__(self, packed):
+        if self.stream is None:
+            return self.decoder(packed)
+        with torch.cuda.stream(self.stream):
+            return self.decoder(packed)
+
+
+def fed(decoder, batches, steps, step, stream):
+    """run_one for the step fed by GpuBatches' decode thread, the step on `stream` (None: default)."""
+    iterator = iter(GpuBatches(Replay(batches, steps), OnStream(decoder, stream)))
+
+    def run_one(k):
+        images, targets = next(iterator)
+        if stream is None:
+            step(images, targets)
+        else:
+            with torch.cuda.stream(stream):
+                step(images, targets)
+    return run_one
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", help="an ImageFolder root holding train/<class>/*.JPEG")
+    parser.add_argument("-a", "--arch", default="resnet50")
+    parser.add_argument("-b", "--batch-size", type=int, default=256)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--steps", type=int, default=30, help="steps a measurement (default: 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out first (default: 5)")
+    parser.add_argument("--distinct", type=int, default=4, help="distinct packed batches replayed (default: 4)")
+    parser.add_argument("--jpeg-decoder", choices=("cuda", "hardware"), default="cuda")
+    args = parser.parse_args(argv)
+    if not 0 < args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup} must be at least 1 and below --steps {args.steps}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cudnn.benchmark = True
+    try:
+        batches = packed_batches(args.data, args.batch_size, args.distinct)
+    except ValueError as err:
+        parser.error(str(err))
+    decoder = GpuBatchDecoder(device, args.image_size, IMAGENET_MEAN, IMAGENET_STD, channels_last=True,
+                              jpeg_decoder=args.jpeg_decoder if device.type == "cuda" else "cuda")
+    step = make_step(args.arch, device, args.batch_size, args.image_size)
+    images, targets = decoder(batches[0])
+    measure = lambda run_one: rate(device, args.batch_size, args.steps, args.warmup, run_one)  # noqa: E731
+
+    rows = [("step", measure(lambda k: step(images, targets))),
+            ("decode", measure(lambda k: decoder(batches[k % len(batches)])))]
+    rows.append(("both, default stream", measure(fed(decoder, batches, args.steps, step, None))))
+    if device.type == "cuda":
+        rows.append(("both, side stream", measure(fed(decoder, batches, args.steps, step, torch.cuda.Stream(device)))))
+    step_rate, decode_rate = rows[0][1], rows[1][1]
+    print(f"{device.type}, {args.arch}, batch {args.batch_size}, {args.steps - args.warmup} steps measured")
+    for name, value in rows:
+        print(f"{name:22s} {value:9.1f} img/s")
+    print(f"{'if serialised':22s} {1 / (1 / step_rate + 1 / decode_rate):9.1f} img/s")
+    print(f"{'if overlapped':22s} {min(step_rate, decode_rate):9.1f} img/s")
+
+
+if __name__ == "__main__":
+    main()
