@@ -37,6 +37,7 @@ from utils.batches import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
 from utils.crops import TrainBoxes  # noqa: E402
 from utils.data import image_folder  # noqa: E402
 from utils.engine import RunAhead  # noqa: E402
+from utils.precision import cast_model  # noqa: E402
 from utils.gpu_batches import ByteSamples, GpuBatchDecoder, GpuBatches, pack_bytes  # noqa: E402
 
 
@@ -51,15 +52,12 @@ def packed_batches(data, batch_size, count, seed=0):
             for k in range(count)]
 
 
-def make_step(arch, device, batch_size, image_size):
+def make_step(arch, device):
     """A training step on a given batch, as --opt-level O2 runs it (fp32 on the CPU)."""
     model = torchvision.models.get_model(arch, num_classes=1000).to(device).to(memory_format=torch.channels_last)
     half = device.type == "cuda"
     if half:
-        model.half()
-        for module in model.modules():
-            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-                module.float()
+        cast_model(model, torch.float16, keep_bn_fp32=True)  # O2's own cast
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=half)
     criterion = torch.nn.CrossEntropyLoss()
 
@@ -107,9 +105,7 @@ class OnStream:
         self.decoder, self.stream, self.cuda = decoder, stream, decoder.cuda
 
     def __call__(self, packed):
-        if self.stream is None:
-            return self.decoder(packed)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):  # None: changes nothing
             return self.decoder(packed)
 
 
@@ -119,11 +115,8 @@ def fed(decoder, batches, steps, step, stream):
 
     def run_one(k):
         images, targets = next(iterator)
-        if stream is None:
+        with torch.cuda.stream(stream):
             step(images, targets)
-        else:
-            with torch.cuda.stream(stream):
-                step(images, targets)
     return run_one
 
 
@@ -149,7 +142,7 @@ def main(argv=None):
         parser.error(str(err))
     decoder = GpuBatchDecoder(device, args.image_size, IMAGENET_MEAN, IMAGENET_STD, channels_last=True,
                               jpeg_decoder=args.jpeg_decoder if device.type == "cuda" else "cuda")
-    step = make_step(args.arch, device, args.batch_size, args.image_size)
+    step = make_step(args.arch, device)
     images, targets = decoder(batches[0])
     measure = lambda run_one: rate(device, args.batch_size, args.steps, args.warmup, run_one)  # noqa: E731
 
