@@ -16,11 +16,9 @@ and cudnn.benchmark's search are left out. The plain-PyTorch reference trains th
 random batch held on the GPU (no input pipeline at all): the GPU-bound ceiling for that config.
 Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
 counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
-Rows are printed as they come and the CSV is rewritten after each (utils.files.atomic_write).
+Rows are printed as they come and the CSV is rewritten after each (utils.files.atomic_write_csv).
 """
 import argparse
-import csv
-import io
 import os
 import re
 import shlex
@@ -32,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from utils.files import atomic_write  # noqa: E402
+from utils.files import atomic_write_csv  # noqa: E402
 
 APEX_SPEED = re.compile(r"Epoch: \[1\]\[(\d+)/(\d+)\].*?Speed [\d.]+ \(([\d.]+)\)")
 TIMM_SPEED = re.compile(r"Train: 1 \[\s*(\d+)/(\d+).*?\(\s*[\d.]+s,\s*([\d.]+)/s\)")
@@ -127,14 +125,6 @@ def last_match(pattern, text, group):
     return float(found[-1][group]) if found else None
 
 
-def write_csv(rows, path):
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(path, text.getvalue())
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", help="ImageFolder root with train/ and val/ (tools/make_fake_imagenet.py)")
@@ -162,7 +152,7 @@ def main():
         print(" | ".join(str(row[key]) for key in COLUMNS), flush=True)
         if row["img_per_s"] in ("", None):
             print(output[-2000:], flush=True)
-        write_csv(rows, args.out)
+        atomic_write_csv(args.out, rows, COLUMNS, lineterminator="\n")
 
     plain = {}
     for compile_ in args.compile:

@@ -18,8 +18,6 @@ of the --warmup-th batch and the --batches-th (worker start-up left out). Loader
 a round so a busy machine slows them alike; the figure is the median over --rounds.
 """
 import argparse
-import csv
-import io
 import os
 import statistics
 import sys
@@ -31,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from utils.files import atomic_write  # noqa: E402
+from utils.files import atomic_write_csv  # noqa: E402
 
 LOADERS = ("cpu", "timm", "gpu-workers")
 
@@ -140,11 +138,7 @@ def main(argv=None):
                          "ratio_to_timm": round(median / timm_speed, 3) if timm_speed else "",
                          "rounds": " ".join(f"{s:.1f}" for s in speeds[name])})
             if args.out:
-                buffer = io.StringIO()
-                writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
-                atomic_write(args.out, buffer.getvalue().encode())
+                atomic_write_csv(args.out, rows, list(rows[0]))
     print("loader,workers,img_per_s,ratio_to_timm")
     for row in rows:
         print(f"{row['loader']},{row['workers']},{row['img_per_s']},{row['ratio_to_timm']}")

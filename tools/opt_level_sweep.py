@@ -20,8 +20,6 @@ table, as opt_level_sweep.csv and opt_level_sweep.md, both rewritten after every
 that fails still gets a row, holding its last error line; the exit code is then 1.
 """
 import argparse
-import csv
-import io
 import os
 import re
 import subprocess
@@ -29,7 +27,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
-from utils.files import atomic_write  # noqa: E402
+from utils.files import atomic_write, atomic_write_csv  # noqa: E402
 
 KEYS = ["config", "img/s", "first loss", "last loss", "skipped", "scale", "top1", "top5", "best top1", "recipe"]
 SPEED = {
@@ -114,17 +112,6 @@ def markdown_table(rows):
     return "\n".join(lines) + "\n"
 
 
-def write_csv(path, rows):
-    def write(handle):  # atomic_write hands over a binary handle; csv wants text
-        text = io.TextIOWrapper(handle, encoding="utf-8", newline="")
-        writer = csv.DictWriter(text, fieldnames=KEYS + ["error"])
-        writer.writeheader()
-        writer.writerows(rows)
-        text.flush()
-        text.detach()  # leave the handle open for atomic_write to close
-    atomic_write(path, write)
-
-
 def chosen_configs(parser, args):
     """The configs of --set, narrowed to --configs (in the set's order) when given."""
     configs = SETS[args.set]
@@ -171,7 +158,7 @@ def main():
         rows.append(run(name, flags, args.data, args.epochs, args.steps, extra, args.out_dir))
         print(rows[-1], flush=True)
         # Rewritten after every config, so a sweep cut short keeps what it measured.
-        write_csv(os.path.join(args.out_dir, "opt_level_sweep.csv"), rows)
+        atomic_write_csv(os.path.join(args.out_dir, "opt_level_sweep.csv"), rows, KEYS + ["error"])
         atomic_write(os.path.join(args.out_dir, "opt_level_sweep.md"), markdown_table(rows))
     print(markdown_table(rows), end="")
     return 1 if any("error" in row for row in rows) else 0

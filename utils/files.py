@@ -7,6 +7,8 @@ a failed write (full disk, quota, file too large, I/O error) becomes a utils.err
 naming the file, which the scripts turn into one line and exit code 4.
 """
 import contextlib
+import csv
+import io
 import os
 import shutil
 import tempfile
@@ -19,6 +21,15 @@ TEMP_PREFIX = ".tmp-"  # temp files and folders start with this; a killed writer
 def _publish(tmp, path):
     """The one rename of the project: atomic on POSIX within one file system."""
     os.replace(tmp, path)
+
+
+def atomic_write_csv(path, rows, fieldnames, lineterminator="\r\n"):
+    """rows (dicts) under a header line, as a CSV file written atomically (atomic_write)."""
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fieldnames, lineterminator=lineterminator)
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write(path, text.getvalue())
 
 
 def atomic_write(path, content, fsync=False):
