@@ -11,7 +11,7 @@ from torchvision import transforms
 
 from utils.crops import CenterBoxes, PilTrainCrop, TrainBoxes, center_box, train_box
 from utils.errors import UsageError
-from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, jpeg_route, pack_bytes, pil_rgb,
+from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, GpuBatches, jpeg_route, pack_bytes, pil_rgb,
                                reference_crop, resample_batch, unpack)
 
 SIZE = 64
@@ -273,6 +273,36 @@ def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, t
     assert calls == ["bad.JPEG"]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threaded_batches_equal_the_callers_own_in_order(mixed_folder, threads):
+    """GpuBatches' decode threads (2: decode and resampling in two, CUDA's default; 1: one)
+    hand over the same batches, in loader order, as decoding in the calling thread."""
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    packed = [pack_bytes([dataset[(index, 1)] for index in range(start, min(start + 3, len(dataset)))])
+              for start in range(0, len(dataset), 3)]
+    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of=dataset.name)
+    expected = list(GpuBatches(packed, decoder, threads=0))
+    got = list(GpuBatches(packed, decoder, threads=threads))
+    assert len(got) == len(packed) > 1
+    for (images, targets), (want_images, want_targets) in zip(got, expected):
+        assert torch.equal(images, want_images) and torch.equal(targets, want_targets)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_error_in_a_thread_reaches_the_training_loop(mixed_folder, threads):
+    good = open(mixed_folder[0][0], "rb").read()
+    start = good.find(b"\xff\xda")
+    bad = good[:start] + b"\xff\xda\x00\x02" + b"\xff\x00" * 10 + b"\xff\xd9"
+    sample = lambda data, index: (np.frombuffer(data, np.uint8), 0, (0, 0, 120, 160, False), index, 120, 160, False)  # noqa: E731
+    batches = [pack_bytes([sample(good, 0)]), pack_bytes([sample(bad, 1)]), pack_bytes([sample(good, 2)])]
+    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of={0: "a", 1: "bad.JPEG", 2: "c"}.get)
+    iterator = iter(GpuBatches(batches, decoder, threads=threads))
+    images, _ = next(iterator)
+    assert images.shape == (1, 3, SIZE, SIZE)
+    with pytest.raises(UsageError, match="bad.JPEG"):
+        next(iterator)
+
+
 # ----------------------------------------------------------------------------- on the GPU
 
 @pytest.fixture(params=["cuda", "hardware"])
@@ -344,6 +374,25 @@ def test_gpu_decode_survives_queued_work_on_the_consumer_stream(mixed_folder, jp
         del victims
         decoder(packed)
         assert all(float(total) == 1.5 * (1 << 20) for total in sums)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gpu_threads_hand_over_the_decoders_batches_under_queued_work(mixed_folder, jpeg_decoder, threads):
+    """GpuBatches' threads on CUDA: each batch bit for bit what the decoder gives when called
+    directly, while the consumer keeps the default stream busy (batches read only after it)."""
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    batches = [pack_bytes([dataset[(index, epoch)] for index in range(len(dataset))]) for epoch in range(8)]
+    decoder = gpu_decoder(dataset, jpeg_decoder)
+    expected = [decoder(packed)[0].cpu() for packed in batches]
+    kept, slow = [], torch.randn(4096, 4096, device="cuda")
+    for images, _ in GpuBatches(batches, decoder, threads=threads):
+        for _ in range(10):
+            slow = slow @ slow.T / 4096
+        kept.append(images.clone())  # queued after the matmuls, on the default stream
+    assert len(kept) == len(expected)
+    for got, want in zip(kept, expected):
+        assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.gpu

@@ -106,12 +106,13 @@ def test_loader_benchmark_refuses_a_warmup_that_leaves_nothing(tmp_path):
 
 def test_decode_overlap_probe_reports_each_rate(tiny_folder):
     """tools/decode_overlap.py on the CPU (its CUDA rows need the device): the step, the decode,
-    the two together through GpuBatches' decode thread, and the serial/overlap bounds."""
+    the two together through GpuBatches' one and two threads, and the serial/overlap bounds."""
     result = run_script("tools/decode_overlap.py", tiny_folder, "-a", "resnet18", "-b", "4", "--image-size", "32",
                         "--steps", "4", "--warmup", "1", "--distinct", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     rates = dict(line.rsplit(None, 2)[:2] for line in result.stdout.splitlines() if line.endswith("img/s"))
-    assert set(rates) == {"step", "decode", "both, default stream", "if serialised", "if overlapped"}
+    assert set(rates) == {"step", "decode", "decode, two threads", "both, one thread", "both, default stream",
+                          "if serialised", "if overlapped"}
     assert all(float(value) > 0 for value in rates.values())
     assert float(rates["if serialised"]) < float(rates["if overlapped"])
 

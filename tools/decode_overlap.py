@@ -1,25 +1,28 @@
 #!/usr/bin/env python3
-"""Does the gpu backend's batch decode overlap the training step? Four rates, one process.
+"""Does the gpu backend's batch decode overlap the training step? Up to six rates, one process.
 
     python tools/decode_overlap.py /data/fake_imagenet --batch-size 256 --steps 30
 
 The gpu input backend decodes a batch (utils.gpu_batches.GpuBatchDecoder: JPEG decode, crop,
-resize, normalise on the device) in a thread while the training step of the batch before runs.
-If the two overlapped fully, training from files would run at the step's own rate; if something
+resize, normalise on the device) in threads while the training step of the batch before runs.
+If the two overlapped fully, training from files would run at the slower one's rate; if something
 serialises them, at about 1 / (1/step + 1/decode). This measures, on batches packed once from
 DATA/train and replayed (no loader workers: their cost is another question,
 tools/benchmark_loader.py's):
 
-  step             the training step alone on one random batch (plain PyTorch, channels_last,
-                   half weights + fp32 BatchNorm as --opt-level O2, fused SGD)
-  decode           GpuBatchDecoder alone, batch after batch
-  both, default    the step fed by the decode thread (train.py's arrangement: the step on
-                   torch's default stream)
-  both, side       the same with the step on a stream of its own (CUDA only): the default stream
-                   is CUDA's legacy stream, which every blocking CUDA call of a library (a
-                   cudaFree, a synchronous copy) waits for; a side stream does not
+  step                 the training step alone on one random batch (plain PyTorch, channels_last,
+                       half weights + fp32 BatchNorm as --opt-level O2, fused SGD)
+  decode               GpuBatchDecoder alone, batch after batch, in one thread
+  decode, two threads  GpuBatches alone: one thread decodes JPEGs while another resamples the
+                       batch before
+  both, one thread     the step fed by one thread doing decode and resampling
+  both, default stream the step fed by GpuBatches' two threads (train.py's arrangement: the step
+                       on torch's default stream)
+  both, side stream    the same with the step on a stream of its own (CUDA only): the default
+                       stream is CUDA's legacy stream, which every blocking CUDA call of a library
+                       (a cudaFree, a synchronous copy) waits for; a side stream does not
 
-and prints the overlap expected from the first two. On a machine without CUDA everything runs on the
+and prints the overlap expected from the step and the faster decode. On a machine without CUDA everything runs on the
 CPU (the decoder's CPU path), which checks the tool, not the GPU.
 """
 import argparse
@@ -98,25 +101,32 @@ def rate(device, batch_size, steps, warmup, run_one):
 
 
 class OnStream:
-    """The decoder with `stream` current in the thread that calls it (None: that thread's default),
-    so the decoded batch is ordered before the work queued on `stream`; a decoder GpuBatches takes."""
+    """The decoder with `stream` current in the thread that resamples (None: that thread's
+    default), so the decoded batch is ordered before the work queued on `stream`; a decoder
+    GpuBatches takes."""
 
     def __init__(self, decoder, stream):
         self.decoder, self.stream, self.cuda = decoder, stream, decoder.cuda
+        self.decode_stage = decoder.decode_stage
+
+    def resample(self, *staged):
+        with torch.cuda.stream(self.stream):  # None: changes nothing
+            return self.decoder.resample(*staged)
 
     def __call__(self, packed):
-        with torch.cuda.stream(self.stream):  # None: changes nothing
-            return self.decoder(packed)
+        return self.resample(*self.decode_stage(packed))
 
 
-def fed(decoder, batches, steps, step, stream):
-    """run_one for the step fed by GpuBatches' decode thread, the step on `stream` (None: default)."""
-    iterator = iter(GpuBatches(Replay(batches, steps), OnStream(decoder, stream)))
+def fed(decoder, batches, steps, step, stream, threads=2):
+    """run_one for the step fed by GpuBatches' threads, the step on `stream` (None: default);
+    step None: the batches alone."""
+    iterator = iter(GpuBatches(Replay(batches, steps), OnStream(decoder, stream), threads=threads))
 
     def run_one(k):
         images, targets = next(iterator)
-        with torch.cuda.stream(stream):
-            step(images, targets)
+        if step is not None:
+            with torch.cuda.stream(stream):
+                step(images, targets)
     return run_one
 
 
@@ -148,10 +158,12 @@ def main(argv=None):
 
     rows = [("step", measure(lambda k: step(images, targets))),
             ("decode", measure(lambda k: decoder(batches[k % len(batches)])))]
+    rows.append(("decode, two threads", measure(fed(decoder, batches, args.steps, None, None))))
+    rows.append(("both, one thread", measure(fed(decoder, batches, args.steps, step, None, threads=1))))
     rows.append(("both, default stream", measure(fed(decoder, batches, args.steps, step, None))))
     if device.type == "cuda":
         rows.append(("both, side stream", measure(fed(decoder, batches, args.steps, step, torch.cuda.Stream(device)))))
-    step_rate, decode_rate = rows[0][1], rows[1][1]
+    step_rate, decode_rate = rows[0][1], max(value for name, value in rows if name.startswith("decode"))
     print(f"{device.type}, {args.arch}, batch {args.batch_size}, {args.steps - args.warmup} steps measured")
     for name, value in rows:
         print(f"{name:22s} {value:9.1f} img/s")

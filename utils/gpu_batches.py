@@ -26,6 +26,7 @@ PIL's kernels (bilinear/bicubic with antialiasing support scaling, nearest), so 
 images is two batched matmuls over a zero-padded canvas. The weights are zero outside each
 image's crop region, so the padding never leaks in, and a flip is the horizontal matrix reversed.
 """
+import collections
 import contextlib
 import io
 import os
@@ -419,14 +420,17 @@ class HardwareJpeg:
         # As PIL and torchvision decode for the cpu backend: RGB, 8 bits, EXIF orientation not applied.
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                               allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.I_RGB)
-        self.previous = None
+        self.recent = collections.deque(maxlen=4)
 
     def __call__(self, payloads, stream):
         sources = [self.nvimgcodec.CodeStream(payload.numpy()) for payload in payloads]
         images = self.decoder.decode(sources, params=self.params, cuda_stream=stream.cuda_stream)
-        # The last batch's images stay referenced until this call: their memory is then surely no
-        # longer read by the resampling queued on `stream` (the caller synchronised it first).
-        self.previous = images
+        # nvImageCodec frees an image's memory when the image object goes, unordered with the
+        # streams that read it (record_stream cannot see it), so each batch stays referenced for
+        # three more calls. That is enough in GpuBatches: decode k+4 starts only after batch k+3
+        # was queued, hence after k+2 left that queue, hence after the resampling of k+1 was
+        # queued, which first synchronised the resampling stream, so k's resampling is done.
+        self.recent.append(images)
         return [None if image is None else torch.as_tensor(image, device=self.device).permute(2, 0, 1)
                 for image in images]
 
@@ -474,31 +478,54 @@ class GpuBatchDecoder:
         # High priority: the decode path's few small kernels are then not queued behind a whole
         # training step's, so the next batch is ready when the step ends.
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
+        # JPEG decode has a stream of its own, so a batch's decode and the previous batch's
+        # resampling can run from two threads at once (GpuBatches).
+        self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.hardware = HardwareJpeg(self.device) if self.cuda and jpeg_decoder == "hardware" else None
 
     def __call__(self, packed):
+        return self.resample(*self.decode_stage(packed))
+
+    def decode_stage(self, packed):
+        """First half: the batch's pictures decoded on the decode stream. Returns (packed,
+        pictures, ready): ready is an event after the decode (None on the CPU)."""
         if not self.cuda:
-            return self._run(packed)
+            return packed, self.decode(packed), None
         # Stream ordering, pytorch/vision#9606: decode_jpeg(device="cuda") allocates its outputs
         # on the current stream, then lets nvJPEG write them from a private stream that does not
         # wait for that stream, so a block freed there while queued kernels still read it can be
-        # overwritten. We therefore decode on a stream of our own and synchronise it first: the
-        # only work ever queued on it is our previous batch's resampling (decode_jpeg already
-        # blocks the host, so this wait costs nothing), and the training stream is never
-        # host-synchronised. The consumer (the stream current at the call: the one the step runs
-        # on) then waits for this stream, and record_stream keeps our allocator from reusing the
-        # batch's memory until the consumer is done with it.
+        # overwritten. We therefore decode on a stream of our own and synchronise it first (the
+        # only work queued on it is the previous decode's copies; decode_jpeg blocks the host
+        # anyway, so the wait costs nothing); the kernels that read the pictures run on another
+        # stream and are declared to the allocator with record_stream (resample), so no block they
+        # still read is handed out again. The training stream is never host-synchronised.
+        with torch.cuda.stream(self.decode_stream):
+            self.decode_stream.synchronize()
+            pictures = self.decode(packed)
+            ready = torch.cuda.Event()
+            ready.record(self.decode_stream)
+        return packed, pictures, ready
+
+    def resample(self, packed, pictures, ready):
+        """Second half: crop, resize, flip, normalise on the resampling stream; returns (images,
+        targets), ordered before later work on the stream current at the call (the consumer's:
+        the one the step runs on), with record_stream keeping our allocator from reusing their
+        memory until the consumer is done with them."""
+        if not self.cuda:
+            return self._finish(packed, pictures)
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            self.stream.synchronize()
-            images, targets = self._run(packed)
+            self.stream.synchronize()  # the previous batch's resampling: bounds what is queued
+            self.stream.wait_event(ready)
+            for picture in pictures:
+                picture.record_stream(self.stream)
+            images, targets = self._finish(packed, pictures)
         consumer.wait_stream(self.stream)
         images.record_stream(consumer)
         targets.record_stream(consumer)
         return images, targets
 
-    def _run(self, packed):
-        pictures = self.decode(packed)
+    def _finish(self, packed, pictures):
         pixels = resample_batch(pictures, packed.boxes, packed.shapes, self.size, self.train,
                                 self.interpolation, self.dtype)
         images = pixels.float().contiguous(memory_format=self.memory_format)
@@ -523,7 +550,7 @@ class GpuBatchDecoder:
     def _decode_jpegs(self, payloads, indices):
         if self.hardware is None:
             return self._nvjpeg(payloads, indices)
-        pictures = self.hardware(payloads, self.stream)
+        pictures = self.hardware(payloads, self.decode_stream)
         refused = [k for k, picture in enumerate(pictures) if picture is None]
         if refused:  # the engines take baseline 4:2:0/4:2:2/4:4:4 files; nvJPEG or PIL the rest
             again = self._nvjpeg([payloads[k] for k in refused], [indices[k] for k in refused])
@@ -551,29 +578,34 @@ class GpuBatches:
     """A loader of Packed batches seen through a GpuBatchDecoder: len() and (images, targets),
     the contract utils.batches.DevicePrefetcher offers.
 
-    On CUDA a decode thread works AHEAD batches ahead: decode_jpeg holds the calling thread until
-    nvJPEG is done (tens of ms a batch), and in the main thread that time would be taken from
-    launching the training step. torch ops release the GIL, so the two threads overlap. Order on
-    the device is still kept by streams: the decoder makes the stream current in the thread that
-    asked (the default stream, which the step runs on) wait for its own stream (see
-    GpuBatchDecoder.__call__), and the step is queued only after the batch came out of the queue.
-    An error in the thread (a corrupt file: UsageError) is raised again in the training loop.
+    On CUDA two threads work ahead of the training loop: one decodes (decode_jpeg holds its
+    thread until nvJPEG is done, tens of ms a batch, and torchvision lets one decode run at a
+    time), the other crops and resizes the batch decoded before, AHEAD batches ahead of the step.
+    In the main thread that time would be taken from launching the training step; torch ops
+    release the GIL, so the threads overlap. Order on the device is kept by streams: the decoder
+    makes the stream current in the thread that asked (the default stream, which the step runs
+    on) wait for its own (see GpuBatchDecoder), and the step is queued only after the batch came
+    out of the queue. An error in a thread (a corrupt file: UsageError) is raised again in the
+    training loop. threads: 2 as above, 1 for one thread doing both halves, 0 for none (all in
+    the caller's); default 2 on CUDA, 0 on the CPU (tools/decode_overlap.py compares them).
     """
 
     AHEAD = 2
 
-    def __init__(self, loader, decoder):
+    def __init__(self, loader, decoder, threads=None):
         self.loader, self.decoder = loader, decoder
+        self.threads = (2 if decoder.cuda else 0) if threads is None else threads
 
     def __len__(self):
         return len(self.loader)
 
     def __iter__(self):
-        if not self.decoder.cuda:
-            for packed in self.loader:
-                yield self.decoder(packed)
-            return
-        yield from _ahead(self.loader, self.decoder, self.AHEAD)
+        if self.threads == 0:
+            return (self.decoder(packed) for packed in self.loader)
+        if self.threads == 1:
+            return _ahead(self.loader, self.decoder, self.AHEAD)
+        decoded = _ahead(self.loader, self.decoder.decode_stage, 1)
+        return _ahead(decoded, lambda staged: self.decoder.resample(*staged), self.AHEAD)
 
 
 def _ahead(loader, decode, depth):
@@ -594,6 +626,10 @@ def _ahead(loader, decode, depth):
         except BaseException as err:  # handed to the consumer, raised there
             results.put((None, err))
             return
+        finally:
+            close = getattr(loader, "close", None)
+            if close is not None:  # an _ahead stage before this one: stop its thread here
+                close()
         results.put((done, None))
 
     thread = threading.Thread(target=work, name="gpu-decode", daemon=True)
