@@ -11,8 +11,8 @@ from torchvision import transforms
 
 from utils.crops import CenterBoxes, PilTrainCrop, TrainBoxes, center_box, train_box
 from utils.errors import UsageError
-from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, GpuBatches, jpeg_route, pack_bytes, pil_rgb,
-                               reference_crop, resample_batch, unpack)
+from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, GpuBatches, _canvas, jpeg_route, pack_bytes,
+                               pil_rgb, reference_crop, resample_batch, unpack)
 
 SIZE = 64
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -149,6 +149,26 @@ def test_chunked_canvas_gives_the_same_pixels():
     whole = resample_batch(pictures, boxes, shapes, SIZE)
     chunked = resample_batch(pictures, boxes, shapes, SIZE, budget=3 * 60 * 90)
     assert torch.equal(whole, chunked)
+
+
+def test_canvas_holds_each_region_zero_padded():
+    """The gathered canvas equals region-by-region slice assignment, for pictures stored CHW and
+    HWC (raw payloads are HWC memory seen as CHW), regions touching the far edges included."""
+    generator = torch.Generator().manual_seed(0)
+    pictures, regions = [], []
+    for k in range(12):
+        height, width = torch.randint(8, 40, (2,), generator=generator).tolist()
+        picture = torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=generator)
+        if k % 2:
+            picture = picture.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+        top, left = (0, 0) if k % 3 == 0 else (height // 3, width // 4)
+        pictures.append(picture)
+        regions.append((top, left, height - top - (k % 2), width - left))
+    tall, wide = max(r[2] for r in regions), max(r[3] for r in regions)
+    expected = torch.zeros(len(pictures), 3, tall, wide)
+    for k, (picture, (top, left, height, width)) in enumerate(zip(pictures, regions)):
+        expected[k, :, :height, :width] = picture[:, top:top + height, left:left + width]
+    assert torch.equal(_canvas(pictures, regions, tall, wide, torch.float32), expected)
 
 
 # ----------------------------------------------------------------------------- routing, packing
