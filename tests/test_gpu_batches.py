@@ -271,12 +271,22 @@ def test_corrupt_file_is_a_usage_error_naming_it(tmp_path):
         ByteSamples([(str(truncated), 0)], TrainBoxes(0, 0.08, 0.5))[(0, 0)]
 
 
+def garbled_scan(jpeg):
+    """The JPEG with its scan data replaced by garbage and an EOI: the header still says GPU."""
+    start = jpeg.find(b"\xff\xda")
+    return jpeg[:start] + b"\xff\xda\x00\x02" + b"\xff\x00" * 10 + b"\xff\xd9"
+
+
+def whole_image_sample(data, label, index):
+    """A ByteSamples item for a 160x120 JPEG payload whose box is the whole image, unflipped."""
+    return np.frombuffer(data, np.uint8), label, (0, 0, 120, 160, False), index, 120, 160, False
+
+
 def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, tmp_path):
     """A file whose header passes but whose body the decoder rejects goes to cpu_fallback alone;
     if PIL cannot read it either, the error names it."""
     good = open(mixed_folder[0][0], "rb").read()
-    start = good.find(b"\xff\xda")  # scan data replaced by garbage with an EOI: header says GPU
-    bad = good[:start] + b"\xff\xda\x00\x02" + b"\xff\x00" * 10 + b"\xff\xd9"
+    bad = garbled_scan(good)
     assert jpeg_route(bad) == GPU
     names = {0: "good.JPEG", 1: "bad.JPEG"}
     calls = []
@@ -285,8 +295,7 @@ def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, t
         calls.append(name)
         return pil_rgb(data, name)
 
-    samples = [(np.frombuffer(good, np.uint8), 0, (0, 0, 120, 160, False), 0, 120, 160, False),
-               (np.frombuffer(bad, np.uint8), 1, (0, 0, 120, 160, False), 1, 120, 160, False)]
+    samples = [whole_image_sample(good, 0, 0), whole_image_sample(bad, 1, 1)]
     decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, cpu_fallback=fallback, name_of=names.get)
     with pytest.raises(UsageError, match="bad.JPEG"):
         decoder(pack_bytes(samples))
@@ -311,10 +320,8 @@ def test_threaded_batches_equal_the_callers_own_in_order(mixed_folder, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_decode_error_in_a_thread_reaches_the_training_loop(mixed_folder, threads):
     good = open(mixed_folder[0][0], "rb").read()
-    start = good.find(b"\xff\xda")
-    bad = good[:start] + b"\xff\xda\x00\x02" + b"\xff\x00" * 10 + b"\xff\xd9"
-    sample = lambda data, index: (np.frombuffer(data, np.uint8), 0, (0, 0, 120, 160, False), index, 120, 160, False)  # noqa: E731
-    batches = [pack_bytes([sample(good, 0)]), pack_bytes([sample(bad, 1)]), pack_bytes([sample(good, 2)])]
+    batches = [pack_bytes([whole_image_sample(data, 0, index)])
+               for index, data in enumerate([good, garbled_scan(good), good])]
     decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of={0: "a", 1: "bad.JPEG", 2: "c"}.get)
     iterator = iter(GpuBatches(batches, decoder, threads=threads))
     images, _ = next(iterator)
