@@ -151,9 +151,10 @@ def test_chunked_canvas_gives_the_same_pixels():
     assert torch.equal(whole, chunked)
 
 
-def test_canvas_holds_each_region_zero_padded():
-    """The gathered canvas equals region-by-region slice assignment, for pictures stored CHW and
-    HWC (raw payloads are HWC memory seen as CHW), regions touching the far edges included."""
+def test_canvas_holds_each_region_at_its_top_left():
+    """Each region of the gathered canvas equals the picture's own pixels, for pictures stored CHW
+    and HWC (raw payloads are HWC memory seen as CHW), regions touching the far edges included;
+    beyond a region the canvas holds picture bytes (finite: the weights there are zero)."""
     generator = torch.Generator().manual_seed(0)
     pictures, regions = [], []
     for k in range(12):
@@ -165,10 +166,26 @@ def test_canvas_holds_each_region_zero_padded():
         pictures.append(picture)
         regions.append((top, left, height - top - (k % 2), width - left))
     tall, wide = max(r[2] for r in regions), max(r[3] for r in regions)
-    expected = torch.zeros(len(pictures), 3, tall, wide)
+    canvas = _canvas(pictures, regions, tall, wide, torch.float32)
+    assert canvas.shape == (len(pictures), tall, 3, wide)
     for k, (picture, (top, left, height, width)) in enumerate(zip(pictures, regions)):
-        expected[k, :, :height, :width] = picture[:, top:top + height, left:left + width]
-    assert torch.equal(_canvas(pictures, regions, tall, wide, torch.float32), expected)
+        region = picture[:, top:top + height, left:left + width].permute(1, 0, 2).float()
+        assert torch.equal(canvas[k, :height, :, :width], region), k
+    assert canvas.min() >= 0 and canvas.max() <= 255
+
+
+def test_padding_never_reaches_the_output():
+    """An image resampled in a batch of larger ones (its canvas padded with their bytes) equals
+    the same image resampled alone, for every interpolation and both flips."""
+    images = [photo(150, 110, seed=k) for k in range(4)] + [photo(40, 30, seed=9)]
+    pictures = [torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]
+    shapes = torch.tensor([(image.height, image.width) for image in images])
+    for interpolation in ("bilinear", "bicubic", "nearest"):
+        for flip in (0.0, 1.0):
+            boxes = torch.tensor([(5, 7, 60, 80, flip)] * 4 + [(3, 2, 25, 30, flip)], dtype=torch.float64)
+            together = resample_batch(pictures, boxes, shapes, 16, interpolation=interpolation)
+            alone = resample_batch(pictures[-1:], boxes[-1:], shapes[-1:], 16, interpolation=interpolation)
+            assert torch.equal(together[-1], alone[0]), (interpolation, flip)
 
 
 # ----------------------------------------------------------------------------- routing, packing

@@ -120,3 +120,31 @@ def test_decode_overlap_probe_reports_each_rate(tiny_folder):
 def test_decode_overlap_probe_refuses_a_batch_larger_than_the_folder(tiny_folder):
     result = run_script("tools/decode_overlap.py", tiny_folder, "-b", "64")
     assert result.returncode == 2 and "fewer than one batch of 64; lower --batch-size" in result.stderr
+
+
+def test_decode_overlap_trace_summary_accounts_each_stream_and_thread(tmp_path):
+    """The --trace summary on a small hand-made Chrome trace (the real one needs CUDA): host ranges
+    per name (not their GPU copies), per-stream busy time, the step stream's idle gaps, and the
+    blocking CUDA calls per thread role, all per step."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("decode_overlap", "tools/decode_overlap.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    x = lambda name, cat, tid, ts, dur, **args: {"ph": "X", "name": name, "cat": cat, "tid": tid,  # noqa: E731
+                                                  "ts": ts, "dur": dur, "args": args}
+    events = [x("step", "user_annotation", 1, 0, 3000), x("step", "user_annotation", 1, 10000, 3000),
+              x("step", "gpu_user_annotation", 7, 0, 20000),  # the range drawn on the GPU: not host time
+              x("wait_batch", "user_annotation", 1, 9000, 1000),
+              x("decode_stage", "user_annotation", 2, 0, 8000),
+              x("cudaFree", "cuda_runtime", 2, 100, 4000),
+              x("conv", "kernel", 7, 0, 8000, stream=7), x("conv", "kernel", 7, 10000, 8000, stream=7),
+              x("gather", "kernel", 14, 5000, 4000, stream=14)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    lines = tool.summarise_trace(str(path), steps=2)
+    assert lines[0] == "host ranges: wait_batch 0.5, step 3.0, decode_stage 4.0"
+    assert "GPU span 9.0, some stream busy 8.5" in lines
+    assert "stream 7: 1 kernels/copies, busy 8.0, idle 1.0 inside its span (the step's stream)" in lines
+    assert "stream 14: 0 kernels/copies, busy 2.0" in lines
+    assert any(line.split() == ["decode_stage", "cudaFree", "2.00", "ms", "in", "0", "calls"] for line in lines), lines

@@ -24,8 +24,16 @@ tools/benchmark_loader.py's):
 
 and prints the overlap expected from the step and the faster decode. On a machine without CUDA everything runs on the
 CPU (the decoder's CPU path), which checks the tool, not the GPU.
+
+--trace DIR also profiles a few steps of "step" and of "both, default stream" (torch.profiler, all
+threads), writes the two Chrome traces there and prints where each step's time went: per CUDA
+stream the kernel and copy time, how long the step's stream sat idle, the main thread's wait for
+the batch, and per thread the CUDA calls that block (synchronisations, cudaFree, cudaMalloc, ...).
 """
 import argparse
+import collections
+import gzip
+import json
 import os
 import sys
 import time
@@ -107,14 +115,23 @@ class OnStream:
 
     def __init__(self, decoder, stream):
         self.decoder, self.stream, self.cuda = decoder, stream, decoder.cuda
-        self.decode_stage = decoder.decode_stage
+
+        self.decode_stage = labelled("decode_stage", decoder.decode_stage)
 
     def resample(self, *staged):
-        with torch.cuda.stream(self.stream):  # None: changes nothing
+        with torch.cuda.stream(self.stream), torch.profiler.record_function("resample"):  # None: changes nothing
             return self.decoder.resample(*staged)
 
     def __call__(self, packed):
         return self.resample(*self.decode_stage(packed))
+
+
+def labelled(name, function):
+    """function, seen by the profiler as a range called name (names the thread in --trace)."""
+    def run(*args):
+        with torch.profiler.record_function(name):
+            return function(*args)
+    return run
 
 
 def fed(decoder, batches, steps, step, stream, threads=2):
@@ -123,11 +140,87 @@ def fed(decoder, batches, steps, step, stream, threads=2):
     iterator = iter(GpuBatches(Replay(batches, steps), OnStream(decoder, stream), threads=threads))
 
     def run_one(k):
-        images, targets = next(iterator)
+        with torch.profiler.record_function("wait_batch"):
+            images, targets = next(iterator)
         if step is not None:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.profiler.record_function("step"):
                 step(images, targets)
     return run_one
+
+
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+THREAD_ROLES = ("wait_batch", "step", "decode_stage", "resample")
+
+
+def profile_steps(device, run_one, steps, warmup, path):
+    """Run warmup calls, then profile steps calls (CUDA activity, every thread) into a Chrome trace."""
+    for k in range(warmup):
+        run_one(k)
+    torch.cuda.synchronize(device)
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+    except TypeError:  # an older torch: the main thread's ranges only
+        config = None
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
+        for k in range(warmup, warmup + steps):
+            run_one(k)
+        torch.cuda.synchronize(device)
+    prof.export_chrome_trace(path)
+
+
+def _busy(intervals):
+    """Total length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarise_trace(path, steps):
+    """Lines saying where a profiled step's time went (milliseconds per step)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    # The host's ranges (the profiler also draws each range over its kernels on the GPU).
+    ranges = [e for e in events if e["name"] in THREAD_ROLES and e.get("cat") == "user_annotation"]
+    names_on = collections.defaultdict(set)
+    for e in ranges:
+        names_on[e["tid"]].add(e["name"])
+    role = {tid: "main" if "step" in names or "wait_batch" in names else "+".join(sorted(names))
+            for tid, names in names_on.items()}
+    per = lambda us: us / 1000 / steps  # noqa: E731  (trace times are microseconds)
+    spent = collections.Counter()
+    for e in ranges:
+        spent[e["name"]] += e["dur"]
+    lines = ["host ranges: " + ", ".join(f"{name} {per(spent[name]):.1f}" for name in THREAD_ROLES if name in spent)]
+    streams = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in GPU_WORK:
+            streams[e.get("args", {}).get("stream", "?")].append((e["ts"], e["ts"] + e["dur"]))
+    if not streams:
+        return lines + ["no GPU activity in the trace"]
+    busiest = max(streams, key=lambda s: sum(end - start for start, end in streams[s]))
+    everything = [interval for intervals in streams.values() for interval in intervals]
+    span = max(end for _, end in everything) - min(start for start, _ in everything)
+    lines.append(f"GPU span {per(span):.1f}, some stream busy {per(_busy(everything)):.1f}")
+    for stream, intervals in sorted(streams.items(), key=lambda item: -len(item[1])):
+        own_span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+        busy = _busy(intervals)
+        note = f", idle {per(own_span - busy):.1f} inside its span (the step's stream)" if stream == busiest else ""
+        lines.append(f"stream {stream}: {len(intervals) / steps:.0f} kernels/copies, busy {per(busy):.1f}{note}")
+    calls = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver", "cuda_sync"):
+            key = (role.get(e["tid"], "gpu" if e.get("cat") == "cuda_sync" else f"thread {e['tid']}"), e["name"])
+            calls[key][0] += e["dur"]
+            calls[key][1] += 1
+    for (who, name), (total, count) in sorted(calls.items(), key=lambda item: -item[1][0]):
+        if per(total) >= 0.2:
+            lines.append(f"{who:24s} {name:40s} {per(total):7.2f} ms in {count / steps:.0f} calls")
+    return lines
 
 
 def main(argv=None):
@@ -141,6 +234,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5, help="steps left out first (default: 5)")
     parser.add_argument("--distinct", type=int, default=4, help="distinct packed batches replayed (default: 4)")
     parser.add_argument("--jpeg-decoder", choices=("cuda", "hardware"), default="cuda")
+    parser.add_argument("--trace", metavar="DIR", help="also profile the step alone and fed by two threads "
+                        "(CUDA only): Chrome traces into DIR and a summary of each")
+    parser.add_argument("--trace-steps", type=int, default=6, help="steps profiled with --trace (default: 6)")
     args = parser.parse_args(argv)
     if not 0 < args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} must be at least 1 and below --steps {args.steps}")
@@ -169,6 +265,16 @@ def main(argv=None):
         print(f"{name:22s} {value:9.1f} img/s")
     print(f"{'if serialised':22s} {1 / (1 / step_rate + 1 / decode_rate):9.1f} img/s")
     print(f"{'if overlapped':22s} {min(step_rate, decode_rate):9.1f} img/s")
+    if args.trace and device.type == "cuda":
+        os.makedirs(args.trace, exist_ok=True)
+        runs = [("step", lambda k: labelled("step", step)(images, targets)),
+                ("both, default stream", fed(decoder, batches, args.warmup + args.trace_steps, step, None))]
+        for name, run_one in runs:
+            path = os.path.join(args.trace, name.replace(", ", "_").replace(" ", "_") + ".json.gz")
+            profile_steps(device, run_one, args.trace_steps, args.warmup, path)
+            print(f"\n{name}, {args.trace_steps} steps profiled ({path}), ms per step:")
+            for line in summarise_trace(path, args.trace_steps):
+                print("  " + line)
 
 
 if __name__ == "__main__":

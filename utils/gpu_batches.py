@@ -29,6 +29,7 @@ image's crop region, so the padding never leaks in, and a flip is the horizontal
 import collections
 import contextlib
 import io
+import math
 import os
 import sys
 from typing import NamedTuple
@@ -245,39 +246,67 @@ def _bicubic(x, a=-0.5):  # PIL's bicubic (a = -0.5), support 2
 KERNELS = {"bilinear": _bilinear, "bicubic": _bicubic}
 
 
-def axis_weights(start, length, size, clip, span, interpolation):
-    """(n, size, span) weights resampling [start, start+length) of each row onto size samples.
+SUPPORT = {"bilinear": 1, "bicubic": 2, "nearest": 0}  # kernel half-width in source pixels at scale 1
+
+
+def axis_weights(start, length, size, clip, reach, interpolation, flip=None):
+    """Per image and output sample the source taps and their weights: (taps, weights), both
+    (n, size, 2 * reach + 1), resampling [start, start+length) of each row onto size samples.
 
     PIL's coefficients (Resample.c precompute_coeffs): output i is centred at
     start + (i + 0.5) * scale; when downscaling the kernel is stretched by scale (antialiasing);
     taps are limited to [0, clip) and renormalised, so a row with no tap is 0 (CenterCrop's
-    zero padding). nearest takes the tap at floor(centre), as PIL's nearest resize does.
+    zero padding). nearest takes the tap at floor(centre), as PIL's nearest resize does. Only the
+    taps within reach of floor(centre) are listed (reach from axis_reach), a few per output where a
+    dense row would hold the whole span. flip: bool (n,) mirroring the outputs of those images.
     start, length, clip: float64 (n,) tensors on the device the weights are wanted on.
     """
-    # Centres in float64 (n x size, tiny) so a centre that is an exact integer stays one; the
-    # (n, size, span) taps are then offsets from floor(centre), exact in float32.
+    # Centres in float64 (n x size, tiny) so a centre that is an exact integer stays one; the taps'
+    # offsets from floor(centre) are then small integers, exact in float32.
     scale = (length.double() / size)[:, None, None]
     centres = start.double()[:, None, None] + (torch.arange(size, device=start.device, dtype=torch.float64)
                                                 [None, :, None] + 0.5) * scale
-    taps = torch.arange(span, device=start.device)[None, None, :]
-    inside = taps < clip[:, None, None]
+    base = centres.floor()
+    relative = torch.arange(-reach, reach + 1, device=start.device)[None, None, :]
+    taps = base.long() + relative
+    inside = (taps >= 0) & (taps < clip[:, None, None])
     if interpolation == "nearest":
         # PIL takes floor(centre) too, but accumulates centre += scale in double, so where the
         # centre is an exact integer it may land one pixel lower: a rare column or row differs.
-        return ((taps == centres.floor().long()) & inside).float()
-    base = centres.floor()
-    offsets = (taps - base.long()).float() + 0.5 - (centres - base).float()
-    weights = KERNELS[interpolation](offsets / scale.clamp(min=1).float()) * inside
-    total = weights.sum(-1, keepdim=True)
-    return torch.where(total != 0, weights / total.where(total != 0, torch.ones_like(total)), 0.0)
+        weights = ((relative == 0) & inside).float()
+    else:
+        offsets = relative.float() + 0.5 - (centres - base).float()
+        weights = KERNELS[interpolation](offsets / scale.clamp(min=1).float()) * inside
+        total = weights.sum(-1, keepdim=True)
+        weights = torch.where(total != 0, weights / total.where(total != 0, torch.ones_like(total)), 0.0)
+    if flip is not None:
+        mirrored = flip[:, None, None]
+        taps, weights = torch.where(mirrored, taps.flip(1), taps), torch.where(mirrored, weights.flip(1), weights)
+    return taps, weights
+
+
+def axis_reach(lengths, size, interpolation):
+    """Taps either side of floor(centre) that can carry weight, for the longest of lengths (host
+    floats): the kernel's support stretched by the downscale, plus one for rounding."""
+    return SUPPORT[interpolation] * math.ceil(max(1.0, max(lengths) / size)) + 1
+
+
+def dense_weights(taps, weights, span, dtype):
+    """(n, size, span) matrix in dtype from axis_weights' taps and weights: zeros but for the taps.
+    Taps outside [0, span) carry weight 0 and go to a spare last column, cut off after, so every
+    real position is written by at most one tap (scatter_ without races)."""
+    taps = torch.where((taps >= 0) & (taps < span), taps, span)
+    matrix = torch.zeros(*taps.shape[:2], span + 1, dtype=dtype, device=taps.device)
+    return matrix.scatter_(2, taps, weights.to(dtype))[..., :span]
 
 
 def _regions(boxes, shapes, train):
     """Per image the pixels the kernels may read: the crop box itself for training (torchvision
-    crops, then resizes), the whole image for validation (resize, then crop)."""
-    if train:
-        return [(int(t), int(l), int(h), int(w)) for t, l, h, w in boxes[:, :4].tolist()]
-    return [(0, 0, h, w) for h, w in shapes.tolist()]
+    crops, then resizes), the whole image for validation (resize, then crop); cut to the image."""
+    if not train:
+        return [(0, 0, h, w) for h, w in shapes.tolist()]
+    return [(int(t), int(l), min(int(h), full_h - int(t)), min(int(w), full_w - int(l)))
+            for (t, l, h, w), (full_h, full_w) in zip(boxes[:, :4].tolist(), shapes.tolist())]
 
 
 def _chunks(regions, budget):
@@ -316,44 +345,49 @@ def resample_batch(pictures, boxes, shapes, size, train=True, interpolation="bil
 
 
 def _canvas(pictures, regions, tall, wide, dtype):
-    """Each picture's region (top, left, h, w) zero-padded into one (n, 3, tall, wide) tensor in
-    dtype: one cat of the pictures, then per channel one gather from index arithmetic, about two
-    dozen kernels whatever n. Copying region by region (a nested tensor's to_padded_tensor, or a
-    loop of slice assignments) launches a few kernels per picture, over a thousand a batch, and
-    that host time competes with the training step's own launches (measured on the H200)."""
+    """(n, tall, 3, wide) in dtype: row y of channel c of image k holds wide source pixels from
+    row top + y, column left of its picture. Inside each region (top, left, h, w) that is the
+    region itself; beyond it (rows past h repeat row h - 1, columns past w run on into the
+    picture's memory) it is whatever finite bytes lie there: the resampling weights are zero
+    outside the region, so they never count. Built by one cat of the pictures and one row gather
+    from a sliding view, so the index is a small (n, tall, 3) tensor; copying region by region
+    launched a few kernels per picture and computing a per-pixel index cost several passes over
+    the canvas (both measured on the H200)."""
     device = pictures[0].device
     flats = [picture.reshape(-1) for picture in pictures]  # CHW order, whatever the strides
-    flat = torch.cat(flats)
-    index = torch.int32 if flat.numel() < 2 ** 31 else torch.int64
+    flat = torch.cat([*flats, torch.zeros(wide, dtype=torch.uint8, device=device)])  # room for the last row
     sizes = torch.tensor([f.numel() for f in flats], dtype=torch.int64)
-    meta = torch.tensor([[p.shape[1], p.shape[2], top, left, min(h, p.shape[1] - top), min(w, p.shape[2] - left)]
-                         for p, (top, left, h, w) in zip(pictures, regions)], dtype=torch.int64)
-    meta = torch.cat([(sizes.cumsum(0) - sizes)[:, None], meta], 1).to(device=device, dtype=index)
-    start, full_h, full_w, top, left, h, w = (column.view(-1, 1, 1) for column in meta.unbind(1))
-    ys = torch.arange(tall, device=device, dtype=index).view(1, tall, 1)
-    xs = torch.arange(wide, device=device, dtype=index).view(1, 1, wide)
-    outside = (ys >= h) | (xs >= w)
-    # Padding reads the picture's first pixel (always in bounds), then is zeroed.
-    pixel = torch.where(outside, start, start + (top + ys) * full_w + left + xs)
-    plane = full_h * full_w
-    canvas = torch.stack([flat[pixel + channel * plane] for channel in range(3)], 1)
-    return canvas.masked_fill_(outside[:, None], 0).to(dtype)
+    meta = torch.tensor([[p.shape[1], p.shape[2], top, left, h] for p, (top, left, h, w) in zip(pictures, regions)],
+                        dtype=torch.int64)
+    meta = torch.cat([(sizes.cumsum(0) - sizes)[:, None], meta], 1).to(device)
+    start, full_h, full_w, top, left, h = (column.view(-1, 1, 1) for column in meta.unbind(1))
+    ys = torch.minimum(torch.arange(tall, device=device).view(1, tall, 1), h - 1)
+    channels = torch.arange(3, device=device).view(1, 1, 3)
+    row_starts = start + channels * full_h * full_w + (top + ys) * full_w + left  # (n, tall, 3)
+    rows = flat.unfold(0, wide, 1).index_select(0, row_starts.view(-1))
+    return rows.view(len(pictures), tall, 3, wide).to(dtype)
 
 
 def _resample_chunk(pictures, boxes, regions, size, interpolation, dtype):
+    """Two batched matmuls: (size x tall row weights) @ canvas (tall x 3*wide), then the three
+    channels' rows @ (wide x size column weights). Returns (n, 3, size, size) in dtype."""
     device = pictures[0].device
-    tall, wide = max(r[2] for r in regions), max(r[3] for r in regions)
-    canvas = _canvas(pictures, regions, tall, wide, dtype)
+    n, tall, wide = len(pictures), max(r[2] for r in regions), max(r[3] for r in regions)
+    canvas = _canvas(pictures, regions, tall, wide, dtype).view(n, tall, 3 * wide)
     local = boxes.clone()
     local[:, 0] -= torch.tensor([r[0] for r in regions], dtype=torch.float64)
     local[:, 1] -= torch.tensor([r[1] for r in regions], dtype=torch.float64)
     clips = torch.tensor([r[2:] for r in regions], dtype=torch.float64)
+    reach_rows = axis_reach(local[:, 2].tolist(), size, interpolation)
+    reach_cols = axis_reach(local[:, 3].tolist(), size, interpolation)
     local, clips = local.to(device), clips.to(device)  # float64: box edges and centres stay exact
-    rows = axis_weights(local[:, 0], local[:, 2], size, clips[:, 0], tall, interpolation)
-    cols = axis_weights(local[:, 1], local[:, 3], size, clips[:, 1], wide, interpolation)
-    cols = torch.where(local[:, 4, None, None] > 0.5, cols.flip(1), cols)  # hflip: mirror the output columns
-    rows, cols = rows.to(dtype)[:, None], cols.to(dtype)[:, None].transpose(-1, -2)
-    return torch.matmul(torch.matmul(rows, canvas), cols)
+    rows = dense_weights(*axis_weights(local[:, 0], local[:, 2], size, clips[:, 0], reach_rows, interpolation),
+                         tall, dtype)
+    cols = dense_weights(*axis_weights(local[:, 1], local[:, 3], size, clips[:, 1], reach_cols, interpolation,
+                                       flip=local[:, 4] > 0.5), wide, dtype)  # hflip: mirrored output columns
+    out = torch.bmm(rows, canvas).view(n, size * 3, wide)  # (n, size rows, 3, wide)
+    out = torch.bmm(out, cols.transpose(1, 2))  # (n, size rows x 3, size columns)
+    return out.view(n, size, 3, size).permute(0, 2, 1, 3)
 
 
 def reference_crop(picture, box, size, train=True, interpolation="bilinear"):
