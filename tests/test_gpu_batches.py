@@ -452,3 +452,16 @@ def test_jpeg_decoder_is_settled_on_cuda():
     except ImportError:
         with pytest.raises(UsageError, match="nvImageCodec is not installed"):
             settle_jpeg_decoder("hardware", "cuda")
+
+
+def test_phase_timing_leaves_the_threaded_loader_alone(mixed_folder):
+    """profile.py's data-wait split wraps the loader the main thread reads; GpuBatches' threads
+    read theirs, so with threads it stays unwrapped (its ranges would land in the main thread's
+    table, as a negative host-to-device), and with none it is wrapped."""
+    from utils.profiling import TimedLoader, time_data_wait
+    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD)
+    loader = torch.utils.data.DataLoader(ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5)), batch_size=2,
+                                         collate_fn=pack_bytes)
+    threaded, inline = GpuBatches(loader, decoder, threads=2), GpuBatches(loader, decoder, threads=0)
+    assert time_data_wait(threaded, phases=None) is False and threaded.loader is loader
+    assert time_data_wait(inline, phases=None) is True and isinstance(inline.loader, TimedLoader)

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from PIL import Image
+from torch._utils import _flatten_dense_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
@@ -226,8 +227,9 @@ def pack_bytes(batch):
 
 def unpack(buffer, offsets):
     """The payloads of a Packed buffer as uint8 tensors (views of the buffer, no copy)."""
-    bounds = offsets.tolist()
-    return [buffer[start:end] for start, end in zip(bounds, bounds[1:])]
+    # One split call makes every view; slicing in a loop cost a host call per image while the
+    # training loop waited for the GIL.
+    return list(buffer[int(offsets[0]):int(offsets[-1])].split(offsets.diff().tolist()))
 
 
 # ----------------------------------------------------------------------------- resampling
@@ -354,9 +356,10 @@ def _canvas(pictures, regions, tall, wide, dtype):
     launched a few kernels per picture and computing a per-pixel index cost several passes over
     the canvas (both measured on the H200)."""
     device = pictures[0].device
-    flats = [picture.reshape(-1) for picture in pictures]  # CHW order, whatever the strides
-    flat = torch.cat([*flats, torch.zeros(wide, dtype=torch.uint8, device=device)])  # room for the last row
-    sizes = torch.tensor([f.numel() for f in flats], dtype=torch.int64)
+    # Each picture flattened in CHW order, whatever its strides, in one call (not one per picture),
+    # then room for the last rows' overrun.
+    flat = torch.cat([_flatten_dense_tensors(pictures), torch.zeros(wide, dtype=torch.uint8, device=device)])
+    sizes = torch.tensor([p.numel() for p in pictures], dtype=torch.int64)
     meta = torch.tensor([[p.shape[1], p.shape[2], top, left, h] for p, (top, left, h, w) in zip(pictures, regions)],
                         dtype=torch.int64)
     meta = torch.cat([(sizes.cumsum(0) - sizes)[:, None], meta], 1).to(device)
@@ -525,6 +528,7 @@ class GpuBatchDecoder:
         # resampling can run from two threads at once (GpuBatches).
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.hardware = HardwareJpeg(self.device) if self.cuda and jpeg_decoder == "hardware" else None
+        self.in_use = []  # the pictures the resampling stream may still be reading (resample)
 
     def __call__(self, packed):
         return self.resample(*self.decode_stage(packed))
@@ -540,8 +544,9 @@ class GpuBatchDecoder:
         # overwritten. We therefore decode on a stream of our own and synchronise it first (the
         # only work queued on it is the previous decode's copies; decode_jpeg blocks the host
         # anyway, so the wait costs nothing); the kernels that read the pictures run on another
-        # stream and are declared to the allocator with record_stream (resample), so no block they
-        # still read is handed out again. The training stream is never host-synchronised.
+        # stream, and the pictures stay referenced until that stream is done with them (resample),
+        # so no block they still read is handed out again. The training stream is never
+        # host-synchronised.
         with torch.cuda.stream(self.decode_stream):
             self.decode_stream.synchronize()
             pictures = self.decode(packed)
@@ -559,9 +564,12 @@ class GpuBatchDecoder:
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             self.stream.synchronize()  # the previous batch's resampling: bounds what is queued
+            # The pictures were allocated on the decode stream and are read on this one. Rather than
+            # a record_stream per picture (hundreds of host calls a batch, each taking the GIL
+            # from the training loop), the batch is kept referenced until the synchronize above,
+            # in the next call, has seen its resampling finish.
+            self.in_use = pictures
             self.stream.wait_event(ready)
-            for picture in pictures:
-                picture.record_stream(self.stream)
             images, targets = self._finish(packed, pictures)
         consumer.wait_stream(self.stream)
         images.record_stream(consumer)

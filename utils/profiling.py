@@ -279,10 +279,12 @@ def time_data_wait(train, phases):
     device inside one next(), which the loop times as a whole. Wrapping the DataLoader it holds
     (its .loader) gives the wait a nested range of its own, so profiling needs no hook in the data
     code and a normal run pays nothing. Returns False for sources with no host loader (synthetic
-    data is made on the device).
+    data is made on the device) and for the gpu backend's GpuBatches when threads read its loader
+    (utils/gpu_batches.py): ranges opened there would land in another thread's timing; the whole
+    next() is then the wait for a decoded batch (host-to-device 0).
     """
     loader = getattr(train, "loader", None)
-    if loader is None:
+    if loader is None or getattr(train, "threads", 0):
         return False
     train.loader = TimedLoader(loader, phases)
     return True
