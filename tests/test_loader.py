@@ -138,7 +138,8 @@ def test_decode_overlap_trace_summary_accounts_each_stream_and_thread(tmp_path):
               x("wait_batch", "user_annotation", 1, 9000, 1000),
               x("decode_stage", "user_annotation", 2, 0, 8000),
               x("cudaFree", "cuda_runtime", 2, 100, 4000),
-              x("conv", "kernel", 7, 0, 8000, stream=7), x("conv", "kernel", 7, 10000, 8000, stream=7),
+              x("cudaLaunchKernel", "cuda_runtime", 1, 9500, 10, correlation=5),  # after the gap began
+              x("conv", "kernel", 7, 0, 8000, stream=7), x("conv", "kernel", 7, 10000, 8000, stream=7, correlation=5),
               x("gather", "kernel", 14, 5000, 4000, stream=14)]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -147,4 +148,6 @@ def test_decode_overlap_trace_summary_accounts_each_stream_and_thread(tmp_path):
     assert "GPU span 9.0, some stream busy 8.5" in lines
     assert "stream 7: 1 kernels/copies, busy 8.0, idle 1.0 inside its span (the step's stream)" in lines
     assert "stream 14: 0 kernels/copies, busy 2.0" in lines
+    # The 2 ms gap (8.0-10.0 ms): its next kernel was launched at 9.5 ms, after the gap began.
+    assert "step stream gaps: host-late 1.00, other streams busy 0.00, short 0.00, other 0.00" in lines, lines
     assert any(line.split() == ["decode_stage", "cudaFree", "2.00", "ms", "in", "0", "calls"] for line in lines), lines

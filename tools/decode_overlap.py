@@ -27,8 +27,9 @@ CPU (the decoder's CPU path), which checks the tool, not the GPU.
 
 --trace DIR also profiles a few steps of "step" and of "both, default stream" (torch.profiler, all
 threads), writes the two Chrome traces there and prints where each step's time went: per CUDA
-stream the kernel and copy time, how long the step's stream sat idle, the main thread's wait for
-the batch, and per thread the CUDA calls that block (synchronisations, cudaFree, cudaMalloc, ...).
+stream the kernel and copy time, how long the step's stream sat idle and why (the host launched
+its next kernel late, or other streams' kernels filled the GPU), the main thread's wait for the
+batch, and per thread the CUDA calls that block (synchronisations, cudaFree, cudaMalloc, ...).
 """
 import argparse
 import collections
@@ -179,6 +180,33 @@ def _busy(intervals):
     return total
 
 
+def _gaps_line(events, intervals, per):
+    """Why the step's stream sat idle between two of its kernels: the next kernel was launched
+    only after the gap began (host-late: the host was behind), or other streams were busy
+    through most of the gap, or neither; gaps under 50 us counted apart (launch latency)."""
+    launched = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    work = sorted(((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
+                   if e.get("cat") in GPU_WORK and (e["ts"], e["ts"] + e["dur"]) in set(intervals)))
+    others = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("cat") in GPU_WORK and (e["ts"], e["ts"] + e["dur"]) not in set(intervals)]
+    kinds = collections.Counter()
+    for (_, gap_start, _), (gap_end, _, correlation) in zip(work, work[1:]):
+        if gap_end - gap_start <= 0:
+            continue
+        if gap_end - gap_start < 50:
+            kinds["short"] += gap_end - gap_start
+        elif launched.get(correlation, gap_start) > gap_start + 20:
+            kinds["host-late"] += gap_end - gap_start
+        elif _busy([(max(a, gap_start), min(b, gap_end)) for a, b in others if a < gap_end and b > gap_start]) \
+                > (gap_end - gap_start) / 2:
+            kinds["other streams busy"] += gap_end - gap_start
+        else:
+            kinds["other"] += gap_end - gap_start
+    return "step stream gaps: " + ", ".join(f"{kind} {per(kinds[kind]):.2f}"
+                                            for kind in ("host-late", "other streams busy", "short", "other"))
+
+
 def summarise_trace(path, steps):
     """Lines saying where a profiled step's time went (milliseconds per step)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -211,6 +239,7 @@ def summarise_trace(path, steps):
         busy = _busy(intervals)
         note = f", idle {per(own_span - busy):.1f} inside its span (the step's stream)" if stream == busiest else ""
         lines.append(f"stream {stream}: {len(intervals) / steps:.0f} kernels/copies, busy {per(busy):.1f}{note}")
+    lines.append(_gaps_line(events, streams[busiest], per))
     calls = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver", "cuda_sync"):
