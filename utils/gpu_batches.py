@@ -52,8 +52,8 @@ SOF_OTHER = {0xC2: "progressive", 0xC6: "progressive", 0xC3: "lossless", 0xC7: "
              0xC5: "hierarchical", 0xC9: "arithmetic", 0xCA: "arithmetic", 0xCB: "arithmetic",
              0xCD: "arithmetic", 0xCE: "arithmetic", 0xCF: "arithmetic"}
 STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
-# Pixels a resampling chunk's canvas may hold (x3 channels x2 bytes in fp16: 96 MiB, plus its int32
-# gather index). An ImageNet batch of 256 takes about three chunks of a few dozen kernels each; a
+# Pixels a resampling chunk's canvas may hold (x3 channels, as uint8 and then fp16: 144 MiB). An
+# ImageNet batch of 256 takes about three chunks of a few dozen kernels each; a
 # smaller canvas keeps the decode stream's share of GPU memory down, and a few huge photos get
 # chunks of their own instead of inflating one.
 CANVAS_BUDGET = 2 ** 24
