@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 # As a torchrun script too: tests/ is then sys.path[0], and conftest puts ROOT on sys.path.
-from conftest import FINAL, ROOT, TIMEOUT, TINY, run_command, subprocess_env
+from conftest import FINAL, HALF_TINY, ROOT, TIMEOUT, TINY, run_command, subprocess_env
 
 BIN = os.path.dirname(sys.executable)
 EPOCH_LINE = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\]\tTime ([\d.]+) \([\d.]+\)\tSpeed ([\d.]+) ")
@@ -176,11 +176,12 @@ def test_eval_on_two_processes_counts_every_image_once(two_proc_run):
 def test_ranks_hold_identical_weights_and_disjoint_samples(cache_dir, tmp_path):
     """O2 bf16 on 2 processes: after training steps every rank holds the same half weights,
     fp32 masters and (after validate) BatchNorm statistics; ranks draw disjoint samples that
-    make up exactly the batches a 1-process run with the global batch would draw."""
+    make up exactly the batches a 1-process run with the global batch would draw. (HALF_TINY:
+    bf16 on a CPU, conftest.py.)"""
     from utils.batches import ShardedEpochSampler
 
     out = tmp_path / "probe.json"
-    ok(torchrun(__file__, "probe", out, *TINY, "-b", "8", "--steps-per-epoch", "3", "--epochs", "1",
+    ok(torchrun(__file__, "probe", out, *HALF_TINY, "-b", "8", "--steps-per-epoch", "3", "--epochs", "1",
                 "--warmup-epochs", "5", "--opt-level", "O2", "--mixed-precision", "bf16"))
     probe = json.loads(out.read_text())
     assert probe["world"] == 2

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import QUICK, ROOT, make_image_folder, run_command, run_script
+from conftest import HALF_ARCH, HALF_QUICK, ROOT, make_image_folder, run_command, run_script
 from utils.checkpoint import save_checkpoint
 
 TOOL = os.path.join(ROOT, "tools", "export_safetensors.py")
@@ -20,9 +20,10 @@ def export(*args):
 
 @pytest.fixture(scope="module")
 def torchvision_run(cache_dir, tmp_path_factory):
-    """resnet18 on the digits at O2 bf16: half weights in training, fp32 masters in the checkpoint."""
+    """A torchvision model (HALF_ARCH: bf16 on a CPU, conftest.py) on the digits at O2 bf16: half
+    weights in training, fp32 masters in the checkpoint."""
     out = tmp_path_factory.mktemp("tv")
-    run = run_script("train.py", *QUICK, "--epochs", "1", "--opt-level", "O2", "--mixed-precision", "bf16",
+    run = run_script("train.py", *HALF_QUICK, "--epochs", "1", "--opt-level", "O2", "--mixed-precision", "bf16",
                      "--output-dir", out, env=CPU)
     assert run.returncode == 0, run.stderr[-3000:]
     return out / "checkpoint.pth.tar"
@@ -33,12 +34,12 @@ def test_torchvision_model_loads_the_export_strictly(torchvision_run, tmp_path):
     import safetensors.torch
     import torchvision
 
-    path = tmp_path / "resnet18.safetensors"
+    path = tmp_path / f"{HALF_ARCH}.safetensors"
     result = export(torchvision_run, path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "=> wrote" in result.stdout and "resnet18 (epoch 1, 10 classes)" in result.stdout
+    assert "=> wrote" in result.stdout and f"{HALF_ARCH} (epoch 1, 10 classes)" in result.stdout
     tensors = safetensors.torch.load_file(path)
-    model = torchvision.models.resnet18(num_classes=10)
+    model = torchvision.models.get_model(HALF_ARCH, num_classes=10)
     model.load_state_dict(tensors, strict=True)
     checkpoint = torch.load(torchvision_run, weights_only=True)
     for key, value in checkpoint["state_dict"].items():
@@ -46,7 +47,7 @@ def test_torchvision_model_loads_the_export_strictly(torchvision_run, tmp_path):
     assert {v.dtype for v in tensors.values() if v.is_floating_point()} == {torch.float32}
     with safetensors.safe_open(path, "pt") as handle:
         meta = handle.metadata()
-    assert (meta["arch"], meta["epoch"], meta["num_classes"], meta["opt_level"]) == ("resnet18", "1", "10", "O2")
+    assert (meta["arch"], meta["epoch"], meta["num_classes"], meta["opt_level"]) == (HALF_ARCH, "1", "10", "O2")
     assert json.loads(meta["classes"]) == [str(digit) for digit in range(10)] and meta["format"] == "pt"
 
 
@@ -76,7 +77,8 @@ def test_ddp_and_compile_prefixes_are_stripped(torchvision_run, tmp_path):
     save_checkpoint(state, False, tmp_path)
     path = tmp_path / "w.safetensors"
     assert export(tmp_path / "checkpoint.pth.tar", path).returncode == 0
-    torchvision.models.resnet18(num_classes=10).load_state_dict(safetensors.torch.load_file(path), strict=True)
+    torchvision.models.get_model(HALF_ARCH, num_classes=10).load_state_dict(safetensors.torch.load_file(path),
+                                                                            strict=True)
 
 
 def test_tool_is_executable_and_refuses_in_one_line(tmp_path):

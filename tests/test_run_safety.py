@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import QUICK, ROOT, TIMEOUT, TINY, make_image_folder, run_script, subprocess_env
+from conftest import HALF_QUICK, HALF_TINY, QUICK, ROOT, TIMEOUT, TINY, make_image_folder, run_script, subprocess_env
 from test_train import one_error_line
 from utils.checkpoint import save_checkpoint
 from utils.cli import SEED_MAX, add_log_args, build_parser
@@ -177,10 +177,14 @@ def test_resume_that_changes_the_runs_meaning(usage_error, first_run, tiny_folde
     # Nothing left to train: the checkpoint has done --epochs already.
     usage_error(["--resume", checkpoint, "--output-dir", tmp_path / "y", *QUICK, "--epochs", "1"],
                 "nothing is left to train", "raise --epochs")
-    # Another opt level and half dtype, another global batch: it works and says what changed.
+    # Another opt level and half dtype, another global batch: it works and says what changed. An O0
+    # epoch of HALF_QUICK's model, not first_run's resnet18: bf16 on a CPU (conftest.py).
+    fp32 = run_script("train.py", "--output-dir", tmp_path / "fp32", *HALF_QUICK, "--epochs", "1")
+    assert fp32.returncode == 0, fp32.stderr[-3000:]
     out = tmp_path / "changed"
-    result = run_script("train.py", "--resume", checkpoint, "--output-dir", out, *TINY, "-b", "8",
-                        "--steps-per-epoch", "2", "--epochs", "2", "--opt-level", "O1", "--mixed-precision", "bf16")
+    result = run_script("train.py", "--resume", tmp_path / "fp32" / "checkpoint.pth.tar", "--output-dir", out,
+                        *HALF_TINY, "-b", "8", "--steps-per-epoch", "2", "--epochs", "2", "--opt-level", "O1",
+                        "--mixed-precision", "bf16")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming a checkpoint trained at O0 fp32 with O1 bf16: its fp32 weights" in result.stderr
     assert "global batch 8" in result.stderr and "checkpoint had 16" in result.stderr

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import FINAL, QUICK, TINY, make_image_folder, run_script
+from conftest import FINAL, HALF_QUICK, HALF_TINY, QUICK, make_image_folder, run_script
 from utils.checkpoint import save_checkpoint
 from utils.cli import build_parser
 from utils.errors import exit_on_usage_error
@@ -38,9 +38,10 @@ def test_demo_ends_at_97_percent_and_saves_checkpoints(cache_dir, tmp_path):
 
 
 def test_deterministic_runs_repeat_exactly(cache_dir, tmp_path):
-    # -j 1: the loader worker processes must not bring randomness of their own.
+    # -j 1: the loader worker processes must not bring randomness of their own. HALF_QUICK: bf16 on a
+    # CPU (conftest.py says why not resnet18).
     runs = [run_script("train.py", "--deterministic", "--epochs", "2", "--output-dir", tmp_path / str(i),
-                       "--opt-level", "O1", "--mixed-precision", "bf16", *QUICK, "-j", "1") for i in range(2)]
+                       "--opt-level", "O1", "--mixed-precision", "bf16", *HALF_QUICK, "-j", "1") for i in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr
     first, second = losses(runs[0].stdout), losses(runs[1].stdout)
@@ -48,12 +49,14 @@ def test_deterministic_runs_repeat_exactly(cache_dir, tmp_path):
     assert first == second
 
 
-@pytest.mark.parametrize("precision", [["--opt-level", "O0"],
-                                       ["--opt-level", "O2", "--mixed-precision", "bf16", "--loss-scale", "dynamic"]])
+@pytest.mark.parametrize("precision", [[*QUICK, "--opt-level", "O0"],
+                                       [*HALF_QUICK, "--opt-level", "O2", "--mixed-precision", "bf16",
+                                        "--loss-scale", "dynamic"]])
 def test_resume_continues_bit_for_bit(cache_dir, tmp_path, precision):
     # One epoch, then resume for the second: momentum buffers, loss scale and RNG are all in play
-    # after the first epoch, so a third epoch would check nothing more.
-    common = ["--deterministic", *QUICK, *precision]
+    # after the first epoch, so a third epoch would check nothing more. bf16 with HALF_QUICK's
+    # model (conftest.py says why).
+    common = ["--deterministic", *precision]
     straight = run_script("train.py", "--epochs", "2", "--output-dir", tmp_path / "straight", *common)
     assert straight.returncode == 0, straight.stderr
     first = run_script("train.py", "--epochs", "1", "--output-dir", tmp_path / "split", *common)
@@ -192,9 +195,10 @@ def test_flags_with_no_effect_say_so(one_epoch, tiny_folder, tmp_path):
     assert "--loss-scale 128.0 has no effect in fp32" in result.stderr
     assert "--sync_bn ignored" in result.stderr
     assert "precision: O0 fp32" in result.stdout and "loss scale none" in result.stdout
-    # Real fp16 kernels on a CPU are slow: 2 steps and 18 val images rather than the 359 digits.
+    # Real fp16 kernels on a CPU are slow: HALF_TINY's model, 2 steps and 18 val images rather than
+    # the 359 digits.
     fp16 = run_script("train.py", tiny_folder, "--opt-level", "O2", "--epochs", "1", "--output-dir", tmp_path,
-                      *TINY, "-b", "4", "--steps-per-epoch", "2")
+                      *HALF_TINY, "-b", "4", "--steps-per-epoch", "2")
     assert fp16.returncode == 0, fp16.stderr
     assert "fp16 on a machine without CUDA" in fp16.stderr
     assert "precision: O2 fp16 | weights half, BN fp32, master fp32 | loss scale dynamic (65536)" in fp16.stdout
