@@ -114,7 +114,8 @@ def test_decode_overlap_probe_reports_each_rate(tiny_folder):
     assert set(rates) == {"step", "decode", "decode, two threads", "both, one thread", "both, default stream",
                           "if serialised", "if overlapped"}
     assert all(float(value) > 0 for value in rates.values())
-    assert float(rates["if serialised"]) < float(rates["if overlapped"])
+    # Serialised is below overlapped, but printed to 0.1 img/s the two meet when one rate dwarfs the other.
+    assert float(rates["if serialised"]) <= float(rates["if overlapped"])
 
 
 def test_decode_overlap_probe_refuses_a_batch_larger_than_the_folder(tiny_folder):
