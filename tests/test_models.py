@@ -140,3 +140,21 @@ def test_train_with_cached_timm_weights_offline(cache_dir, tmp_path):
     assert settings["mean"] == [0.5, 0.5, 0.5] and settings["pretrained"] is True
     state = torch.load(out / "checkpoint.pth.tar", weights_only=True)["state_dict"]
     assert state["fc.weight"].shape == (3, 96)
+
+
+@pytest.mark.parametrize("arch", ["mnasnet0_5", "resnet18"])
+def test_checkpoint_weights_load_into_models_that_check_module_versions(arch):
+    """A checkpoint's state_dict is a plain dict of fp32 copies, without the per-module versions;
+    MNASNet refuses such a dict (version None), so the loader supplies the model's own."""
+    import torchvision
+
+    from utils.checkpoint import load_model_weights
+    source = torchvision.models.get_model(arch, num_classes=10)
+    with torch.no_grad():
+        for parameter in source.parameters():
+            parameter.add_(0.5)  # weights a fresh model does not start with
+    saved = {key: value.clone() for key, value in source.state_dict().items()}  # plain dict, as saved
+    target = torchvision.models.get_model(arch, num_classes=10)
+    load_model_weights(target, saved, arch, "checkpoint.pth.tar")
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, source.state_dict()[key]), key

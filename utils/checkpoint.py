@@ -1,4 +1,5 @@
 """Checkpoints: atomic writes, fp32 weights, and loads that explain what is wrong with a file."""
+import collections
 import os
 import re
 
@@ -146,11 +147,23 @@ def strip_module_prefix(state_dict):
     return state_dict
 
 
+def with_module_versions(state_dict, model):
+    """state_dict with the per-module version metadata load_state_dict reads. Checkpoints hold
+    plain dicts of fp32 copies (Precision.fp32_state_dict), which have none, and some torchvision
+    models refuse to load without it (MNASNet raises on version None); the modules of the model
+    built here are what the weights were saved from, so their versions stand in."""
+    if getattr(state_dict, "_metadata", None) is not None:
+        return state_dict
+    versioned = collections.OrderedDict(state_dict)
+    versioned._metadata = getattr(model.state_dict(), "_metadata", None)
+    return versioned
+
+
 def load_model_weights(model, state_dict, arch, path):
     """Load weights into model, with a clear message when the checkpoint is of another model."""
     missing, unexpected = [], []
     try:
-        result = model.load_state_dict(strip_module_prefix(state_dict), strict=False)
+        result = model.load_state_dict(with_module_versions(strip_module_prefix(state_dict), model), strict=False)
         missing, unexpected = result.missing_keys, result.unexpected_keys
     except RuntimeError as err:
         raise UsageError(f"checkpoint {path!r} does not fit -a {arch}: "
