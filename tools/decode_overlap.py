@@ -116,7 +116,6 @@ class OnStream:
 
     def __init__(self, decoder, stream):
         self.decoder, self.stream, self.cuda = decoder, stream, decoder.cuda
-
         self.decode_stage = labelled("decode_stage", decoder.decode_stage)
 
     def resample(self, *staged):
@@ -180,16 +179,21 @@ def _busy(intervals):
     return total
 
 
-def _gaps_line(events, intervals, per):
-    """Why the step's stream sat idle between two of its kernels: the next kernel was launched
+def _gaps_line(events, stream, per):
+    """Why `stream` (the step's) sat idle between two of its kernels: the next kernel was launched
     only after the gap began (host-late: the host was behind), or other streams were busy
     through most of the gap, or neither; gaps under 50 us counted apart (launch latency)."""
     launched = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    work = sorted(((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
-                   if e.get("cat") in GPU_WORK and (e["ts"], e["ts"] + e["dur"]) in set(intervals)))
-    others = [(e["ts"], e["ts"] + e["dur"]) for e in events
-              if e.get("cat") in GPU_WORK and (e["ts"], e["ts"] + e["dur"]) not in set(intervals)]
+    work, others = [], []
+    for e in events:
+        if e.get("cat") in GPU_WORK:
+            args = e.get("args", {})
+            if args.get("stream", "?") == stream:
+                work.append((e["ts"], e["ts"] + e["dur"], args.get("correlation")))
+            else:
+                others.append((e["ts"], e["ts"] + e["dur"]))
+    work.sort()
     kinds = collections.Counter()
     for (_, gap_start, _), (gap_end, _, correlation) in zip(work, work[1:]):
         if gap_end - gap_start <= 0:
@@ -239,7 +243,7 @@ def summarise_trace(path, steps):
         busy = _busy(intervals)
         note = f", idle {per(own_span - busy):.1f} inside its span (the step's stream)" if stream == busiest else ""
         lines.append(f"stream {stream}: {len(intervals) / steps:.0f} kernels/copies, busy {per(busy):.1f}{note}")
-    lines.append(_gaps_line(events, streams[busiest], per))
+    lines.append(_gaps_line(events, busiest, per))
     calls = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver", "cuda_sync"):
