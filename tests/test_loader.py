@@ -152,3 +152,15 @@ def test_decode_overlap_trace_summary_accounts_each_stream_and_thread(tmp_path):
     # The 2 ms gap (8.0-10.0 ms): its next kernel was launched at 9.5 ms, after the gap began.
     assert "step stream gaps: host-late 1.00, other streams busy 0.00, short 0.00, other 0.00" in lines, lines
     assert any(line.split() == ["decode_stage", "cudaFree", "2.00", "ms", "in", "0", "calls"] for line in lines), lines
+
+
+def test_decode_overlap_refuses_no_trace_steps(tiny_folder):
+    bad = run_script("tools/decode_overlap.py", tiny_folder, "-b", "4", "--trace-steps", "0")
+    assert bad.returncode == 2 and "--trace-steps 0 must be at least 1" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA --trace runs")
+def test_decode_overlap_trace_without_cuda_is_refused(tiny_folder, tmp_path):
+    """--trace reads CUDA streams: on a machine without CUDA it is refused, not silently skipped."""
+    result = run_script("tools/decode_overlap.py", tiny_folder, "-b", "4", "--trace", tmp_path)
+    assert result.returncode == 2 and "--trace profiles CUDA streams and needs a GPU" in result.stderr

@@ -273,6 +273,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 < args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} must be at least 1 and below --steps {args.steps}")
+    if args.trace_steps < 1:
+        parser.error(f"--trace-steps {args.trace_steps} must be at least 1")
+    if args.trace and not torch.cuda.is_available():
+        parser.error("--trace profiles CUDA streams and needs a GPU; run without it here")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cudnn.benchmark = True
     try:
@@ -298,7 +302,7 @@ def main(argv=None):
         print(f"{name:22s} {value:9.1f} img/s")
     print(f"{'if serialised':22s} {1 / (1 / step_rate + 1 / decode_rate):9.1f} img/s")
     print(f"{'if overlapped':22s} {min(step_rate, decode_rate):9.1f} img/s")
-    if args.trace and device.type == "cuda":
+    if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         runs = [("step", lambda k: labelled("step", step)(images, targets)),
                 ("both, default stream", fed(decoder, batches, args.warmup + args.trace_steps, step, None))]
