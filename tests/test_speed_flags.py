@@ -2,11 +2,14 @@
 
 The decoders themselves run in tests/test_gpu_batches.py (marked gpu, both decoders)."""
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import QUICK
+from conftest import QUICK, ROOT, TIMEOUT, subprocess_env
 from test_train import usage_error  # noqa: F401  (fixture)
 from utils.compiled import compile_model, plain_module, resolve_compile
 from utils.errors import UsageError
@@ -70,3 +73,24 @@ def test_compile_mode_reaches_torch_compile():
     assert plain_module(compiled) is model and compiled._eval_mode == "max-autotune-no-cudagraphs"
     # other backends take no mode: it is dropped rather than refused by torch.compile
     assert compile_model(model, "eager", lines.append, "reduce-overhead")._eval_mode is None
+
+
+WORK_QUEUES_PROBE = """
+import os, sys
+from utils.cli import build_parser
+from utils.setup import make_accelerator, parse_args
+make_accelerator(parse_args(build_parser("probe"), sys.argv[1:]))
+print("queues", os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+"""
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "32"), ("4", "4")])
+def test_cuda_work_queues_widened_unless_the_user_set_them(preset, expected):
+    env = dict(os.environ)
+    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    if preset is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = preset
+    result = subprocess.run([sys.executable, "-c", WORK_QUEUES_PROBE, *QUICK], capture_output=True, text=True,
+                            env=subprocess_env(env), cwd=ROOT, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == f"queues {expected}"
