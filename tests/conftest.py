@@ -30,7 +30,7 @@ QUICK = [*TINY, "-b", "16", "--steps-per-epoch", "4"]
 # step and ~13 s a digits validation, 35x fp32. torchvision's shufflenet_v2_x0_5 takes 0.3 s a
 # step there and still has BatchNorm, so what O2/O3 and --keep-batchnorm-fp32 do to it is tested.
 HALF_ARCH = "shufflenet_v2_x0_5"
-HALF_TINY = ["-a", HALF_ARCH, "--image-size", "32", "-j", "0", "-p", "1"]
+HALF_TINY = ["-a", HALF_ARCH, *TINY[2:]]
 HALF_QUICK = [*HALF_TINY, "-b", "16", "--steps-per-epoch", "4"]
 # The validation summary line every script prints (Apex's format): top-1, top-5.
 FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
