@@ -94,3 +94,14 @@ def test_cuda_work_queues_widened_unless_the_user_set_them(preset, expected):
                             env=subprocess_env(env), cwd=ROOT, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == f"queues {expected}"
+
+
+def test_gpu_backend_line_names_narrow_work_queues(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
+    line = resolved("cuda", jpeg_decoder="cuda").input_line
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=4 from the environment" in line and "docs/speed.md" in line
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in resolved("cpu").input_line  # no decoder on the cpu backend
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in resolved("cuda", jpeg_decoder="cuda").input_line
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in resolved("cuda", jpeg_decoder="cuda").input_line

@@ -268,6 +268,15 @@ def widen_cuda_work_queues():
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_WORK_QUEUES)
 
 
+def narrow_queues_caveat():
+    """For the gpu backend's start-up line: a word where the environment keeps fewer queues."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_WORK_QUEUES)
+    if value.strip().isdigit() and int(value) >= int(CUDA_WORK_QUEUES):
+        return ""
+    return (f"; CUDA_DEVICE_MAX_CONNECTIONS={value} from the environment: the decoder may wait behind "
+            f"the training step (unset it or use {CUDA_WORK_QUEUES}, docs/speed.md)")
+
+
 def make_accelerator(args, **accelerator_kwargs):
     """An Accelerator that leaves precision to our recipe, and the resolved recipe with its notes.
 
@@ -335,7 +344,7 @@ def resolve_device_defaults(args, device_type):
         from .gpu_batches import settle_jpeg_decoder
         args.jpeg_decoder, decoder_why = settle_jpeg_decoder(decoder, "cuda")
         engines = "hardware JPEG engines" if args.jpeg_decoder == "hardware" else "nvJPEG"
-        decode = f"{engines} batch decode + crops on the GPU; jpeg decoder {args.jpeg_decoder}, {decoder_why}"
+        decode = f"{engines} batch decode + crops on the GPU; jpeg decoder {args.jpeg_decoder}, {decoder_why}" + narrow_queues_caveat()
     else:
         decode = {"cpu": "PIL decode + crops in workers", "none": ""}[backend]
     args.input_line = (f"=> input: {backend} backend" + (f" ({decode})" if decode else "") +
