@@ -344,7 +344,8 @@ def resolve_device_defaults(args, device_type):
         from .gpu_batches import settle_jpeg_decoder
         args.jpeg_decoder, decoder_why = settle_jpeg_decoder(decoder, "cuda")
         engines = "hardware JPEG engines" if args.jpeg_decoder == "hardware" else "nvJPEG"
-        decode = f"{engines} batch decode + crops on the GPU; jpeg decoder {args.jpeg_decoder}, {decoder_why}" + narrow_queues_caveat()
+        decode = (f"{engines} batch decode + crops on the GPU; jpeg decoder {args.jpeg_decoder}, {decoder_why}"
+                  + narrow_queues_caveat())
     else:
         decode = {"cpu": "PIL decode + crops in workers", "none": ""}[backend]
     args.input_line = (f"=> input: {backend} backend" + (f" ({decode})" if decode else "") +
