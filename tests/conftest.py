@@ -1,6 +1,7 @@
 """What every test file shares: thread and time limits, the subprocess runner, tiny-data builders."""
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -41,6 +42,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: minutes long; left out of the default run (pytest.ini), run with -m slow")
     import torch
     torch.set_num_threads(int(THREADS))  # the in-process tests, for the reason above
+    # A suite started in the background of a non-interactive shell (`.ci/run &` in a script)
+    # inherits SIGINT ignored, and so would every run it starts: a Ctrl-C a test sends to a run
+    # before the run installs its own handler would be dropped, and the run end as if never
+    # interrupted. Tests stand for a user at a terminal, where Ctrl-C has its default action.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
