@@ -593,9 +593,15 @@ class GpuBatchDecoder:
             decoded = self._decode_jpegs([payloads[i] for i in jpegs], packed.indices[jpegs].tolist())
             for i, picture in zip(jpegs, decoded):
                 pictures[i] = picture
-        for i in (i for i, is_raw in enumerate(raw) if is_raw):
-            height, width = shapes[i]
-            pictures[i] = payloads[i].view(height, width, 3).permute(2, 0, 1).to(self.device, non_blocking=True)
+        by_pil = [i for i, is_raw in enumerate(raw) if is_raw]  # the workers' PIL pixels
+        if by_pil:
+            # One copy for all of them: a copy per image from the loader's memory is a host call
+            # (and a wait) each.
+            parts = [payloads[i] for i in by_pil]
+            on_device = torch.cat(parts).to(self.device, non_blocking=True).split([len(part) for part in parts])
+            for i, pixels in zip(by_pil, on_device):
+                height, width = shapes[i]
+                pictures[i] = pixels.view(height, width, 3).permute(2, 0, 1)
         return pictures
 
     def _decode_jpegs(self, payloads, indices):
