@@ -11,8 +11,9 @@ random tensors made on the device (its own input-free speed). --compile takes Fa
 torch.compile mode (reduce-overhead, max-autotune): train.py --compile --compile-mode MODE.
 
 Each configuration is a real `train.py` run (ResNet-50 by default, --epochs 2); its figure is the
-second epoch's average Speed (img/s over all processes) from the Apex log line, so worker start-up
-and cudnn.benchmark's search are left out. The plain-PyTorch reference trains the same model on one
+last epoch's average Speed (img/s over all processes) from the Apex log line, so with 2 or more
+epochs worker start-up, compilation and cudnn.benchmark's search are left out; more epochs show
+whether a run keeps speeding up after its first minute. The plain-PyTorch reference trains the same model on one
 random batch held on the GPU (no input pipeline at all): the GPU-bound ceiling for that config.
 Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
 counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
@@ -32,8 +33,9 @@ sys.path.insert(0, ROOT)
 
 from utils.files import atomic_write_csv  # noqa: E402
 
-APEX_SPEED = re.compile(r"Epoch: \[1\]\[(\d+)/(\d+)\].*?Speed [\d.]+ \(([\d.]+)\)")
-TIMM_SPEED = re.compile(r"Train: 1 \[\s*(\d+)/(\d+).*?\(\s*[\d.]+s,\s*([\d.]+)/s\)")
+# (epoch, step, steps, average img/s) of train.py's and timm's interval lines; epochs count from 0.
+APEX_SPEED = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\].*?Speed [\d.]+ \(([\d.]+)\)")
+TIMM_SPEED = re.compile(r"Train: (\d+) \[\s*(\d+)/(\d+).*?\(\s*[\d.]+s,\s*([\d.]+)/s\)")
 PLAIN_SPEED = re.compile(r"plain img/s ([\d.]+)")
 
 PLAIN = r"""
@@ -69,7 +71,7 @@ print(f"plain img/s {steps * batch / (time.perf_counter() - start):.1f}")
 """
 
 COLUMNS = ("name", "backend", "decoder", "workers", "compile", "opt_level", "img_per_s", "ratio_to_plain",
-           "gpu_mem_gib", "seconds", "note")
+           "gpu_mem_gib", "seconds", "note", "epochs")
 
 
 class PeakGpuMemory:
@@ -120,9 +122,10 @@ def compile_flags(value):
     return ["--compile", "True", "--compile-mode", value]
 
 
-def last_match(pattern, text, group):
-    found = pattern.findall(text)
-    return float(found[-1][group]) if found else None
+def epoch_average(pattern, text, epoch):
+    """The average img/s of the last interval line of `epoch` (from 0) in a log, or None."""
+    found = [match for match in pattern.findall(text) if int(match[0]) == epoch]
+    return float(found[-1][3]) if found else None
 
 
 def main():
@@ -140,10 +143,14 @@ def main():
     parser.add_argument("--train-args", default="", help="more train.py flags, one string (e.g. "
                         "'--keep-batchnorm-fp32 True' with --opt-level O3)")
     parser.add_argument("--steps-per-epoch", type=int, default=40)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs a run; its last epoch's average "
+                        "is the figure (default: %(default)s)")
     parser.add_argument("--timm-train", default=None, help="path of timm's train.py (from its repository)")
     parser.add_argument("--out", default="input_benchmark.csv", help="CSV to write (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run (default: %(default)s)")
     args = parser.parse_args()
+    if args.epochs < 1:
+        parser.error(f"--epochs {args.epochs}: a run needs at least one epoch (2 or more leave start-up out)")
 
     rows = []
 
@@ -163,8 +170,8 @@ def main():
         plain[compile_] = speed
         record({"name": "plain PyTorch, random batch on the GPU", "backend": "none", "decoder": "", "workers": 0,
                 "compile": compile_, "opt_level": args.opt_level, "img_per_s": speed or "", "ratio_to_plain": 1.0,
-                "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note}, output)
-    common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", "2",
+                "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": ""}, output)
+    common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", str(args.epochs),
               "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite",
               *shlex.split(args.train_args)]
     for workers in args.workers:
@@ -179,27 +186,28 @@ def main():
                 command = [sys.executable, "train.py", *source, *common, *compile_flags(compile_),
                            *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]
                 output, note, seconds, memory = run(command, args.timeout)
-                speed = last_match(APEX_SPEED, output, 2)
+                speed = epoch_average(APEX_SPEED, output, args.epochs - 1)
                 reference = plain.get(compile_)
                 used = re.findall(r"jpeg decoder (\w+)", output)
                 record({"name": "train.py", "backend": backend, "decoder": used[0] if used else decoder,
                         "workers": 0 if backend == "synthetic" else workers, "compile": compile_,
                         "opt_level": args.opt_level, "img_per_s": speed or "",
                         "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
-                        "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note}, output)
+                        "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note,
+                        "epochs": args.epochs}, output)
         if args.timm_train:
             command = [sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val",
                        "--model", args.arch, "-b", str(args.batch_size), "-j", str(workers), "--amp",
                        "--channels-last", "--color-jitter", "0", "--train-interpolation", "bilinear",
-                       "--epochs", "2", "--sched", "step", "--warmup-epochs", "0", "--log-interval", "10",
+                       "--epochs", str(args.epochs), "--sched", "step", "--warmup-epochs", "0", "--log-interval", "10",
                        "--output", "/tmp/timm-bench", "--num-classes", "1000"]
             output, note, seconds, memory = run(command, args.timeout)
-            speed = last_match(TIMM_SPEED, output, 2)
+            speed = epoch_average(TIMM_SPEED, output, args.epochs - 1)
             reference = plain.get("False")
             record({"name": "timm train.py --amp --channels-last", "backend": "timm", "decoder": "",
                     "workers": workers, "compile": "False", "opt_level": "amp", "img_per_s": speed or "",
                     "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
-                    "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note}, output)
+                    "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": args.epochs}, output)
     print(f"=> written to {args.out}")
 
 
