@@ -1,18 +1,10 @@
 """tools/benchmark_input.py: which Speed figure it takes from a real train.py log, and its refusals."""
-import importlib.util
-import os
 import re
 
-from conftest import QUICK, ROOT, run_script
+from conftest import QUICK, run_script
+from tools.benchmark_input import APEX_SPEED, epoch_average
 
 TOOL = "tools/benchmark_input.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("benchmark_input", os.path.join(ROOT, TOOL))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_figure_is_the_last_epochs_final_average(tmp_path):
@@ -26,10 +18,9 @@ def test_the_figure_is_the_last_epochs_final_average(tmp_path):
         epoch = int(line[len("Epoch: ["):line.index("]")])
         averages.setdefault(epoch, []).append(float(re.search(r"Speed [\d.]+ \(([\d.]+)\)", line).group(1)))
     assert sorted(averages) == [0, 1, 2] and all(len(values) > 1 for values in averages.values())
-    tool = load_tool()
     for epoch, values in averages.items():
-        assert tool.epoch_average(tool.APEX_SPEED, log, epoch) == values[-1]
-    assert tool.epoch_average(tool.APEX_SPEED, log, 3) is None
+        assert epoch_average(APEX_SPEED, log, epoch) == values[-1]
+    assert epoch_average(APEX_SPEED, log, 3) is None
 
 
 def test_fewer_than_one_epoch_is_a_usage_error(tmp_path):
