@@ -464,8 +464,10 @@ class HardwareJpeg:
                                    + (f" ({detail})" if detail else "")) from None
         self.nvimgcodec = nvimgcodec
         # As PIL and torchvision decode for the cpu backend: RGB, 8 bits, EXIF orientation not applied.
+        # Planar (CHW) output, as the canvas gather reads it: interleaved output would cost a
+        # contiguous copy per picture (decode + hand-over 15,682 vs 13,393 img/s on the H200).
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
-                                              allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.I_RGB)
+                                              allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.P_RGB)
         self.recent = collections.deque(maxlen=4)
 
     def __call__(self, payloads, stream):
@@ -477,8 +479,7 @@ class HardwareJpeg:
         # was queued, hence after k+2 left that queue, hence after the resampling of k+1 was
         # queued, which first synchronised the resampling stream, so k's resampling is done.
         self.recent.append(images)
-        return [None if image is None else torch.as_tensor(image, device=self.device).permute(2, 0, 1)
-                for image in images]
+        return [None if image is None else torch.as_tensor(image, device=self.device) for image in images]
 
 
 def settle_jpeg_decoder(wanted, device):
