@@ -2,7 +2,7 @@
 import re
 
 from conftest import QUICK, run_script
-from tools.benchmark_input import APEX_SPEED, epoch_average
+from tools.benchmark_input import APEX_SPEED, epoch_average, second_half_rate
 
 TOOL = "tools/benchmark_input.py"
 
@@ -21,6 +21,16 @@ def test_the_figure_is_the_last_epochs_final_average(tmp_path):
     for epoch, values in averages.items():
         assert epoch_average(APEX_SPEED, log, epoch) == values[-1]
     assert epoch_average(APEX_SPEED, log, 3) is None
+
+    # The second half's rate from the averages, against the one from each interval's own Speed.
+    last = [line for line in lines if line.startswith("Epoch: [2]")]
+    steps = [int(re.search(r"\]\[(\d+)/", line).group(1)) for line in last]
+    speeds = [float(re.search(r"Speed ([\d.]+) ", line).group(1)) for line in last]
+    middle = max(k for k, step in enumerate(steps[:-1]) if step <= steps[-1] / 2)
+    seconds_per_image = sum((steps[k] - steps[k - 1]) / speeds[k] for k in range(middle + 1, len(steps)))
+    expected = (steps[-1] - steps[middle]) / seconds_per_image
+    assert abs(second_half_rate(log, 2) - expected) < 1e-3 * expected
+    assert second_half_rate(log, 3) is None
 
 
 def test_fewer_than_one_epoch_is_a_usage_error(tmp_path):

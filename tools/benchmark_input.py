@@ -13,7 +13,9 @@ torch.compile mode (reduce-overhead, max-autotune): train.py --compile --compile
 Each configuration is a real `train.py` run (ResNet-50 by default, --epochs 2); its figure is the
 last epoch's average Speed (img/s over all processes) from the Apex log line, so with 2 or more
 epochs worker start-up, compilation and cudnn.benchmark's search are left out; more epochs show
-whether a run keeps speeding up after its first minute. The plain-PyTorch reference trains the same model on one
+whether a run keeps speeding up after its first minute. Each train.py row also gives the rate over
+the second half of that last epoch (second_half_img_per_s): epochs here are short, and each begins
+with the input pipeline refilling after validation, which a 5,000-step ImageNet epoch would hide. The plain-PyTorch reference trains the same model on one
 random batch held on the GPU (no input pipeline at all): the GPU-bound ceiling for that config.
 Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
 counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
@@ -71,7 +73,7 @@ print(f"plain img/s {steps * batch / (time.perf_counter() - start):.1f}")
 """
 
 COLUMNS = ("name", "backend", "decoder", "workers", "compile", "opt_level", "img_per_s", "ratio_to_plain",
-           "gpu_mem_gib", "seconds", "note", "epochs")
+           "gpu_mem_gib", "seconds", "note", "epochs", "second_half_img_per_s")
 
 
 class PeakGpuMemory:
@@ -128,6 +130,24 @@ def epoch_average(pattern, text, epoch):
     return float(found[-1][3]) if found else None
 
 
+def second_half_rate(text, epoch):
+    """img/s over the second half of `epoch` in a train.py log, or None (fewer than two interval
+    lines with one in the first half). An epoch's average climbs while its start-up (the input
+    pipeline refilling after validation) fades, so the epoch average understates a long epoch;
+    this is the rate after the interval line nearest the middle. A line's average is
+    steps / (time since the epoch began) x batch, so the time between lines k1 and k2 is
+    k2 / avg2 - k1 / avg1 batches' worth, whatever the batch."""
+    lines = [(int(step), float(average)) for at, step, _, average in APEX_SPEED.findall(text) if int(at) == epoch]
+    if len(lines) < 2:
+        return None
+    k2, average2 = lines[-1]
+    first_half = [(k, average) for k, average in lines[:-1] if k <= k2 / 2]
+    if not first_half:
+        return None
+    k1, average1 = first_half[-1]
+    return round((k2 - k1) / (k2 / average2 - k1 / average1), 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", help="ImageFolder root with train/ and val/ (tools/make_fake_imagenet.py)")
@@ -170,7 +190,8 @@ def main():
         plain[compile_] = speed
         record({"name": "plain PyTorch, random batch on the GPU", "backend": "none", "decoder": "", "workers": 0,
                 "compile": compile_, "opt_level": args.opt_level, "img_per_s": speed or "", "ratio_to_plain": 1.0,
-                "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": ""}, output)
+                "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": "",
+                "second_half_img_per_s": ""}, output)
     common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", str(args.epochs),
               "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite",
               *shlex.split(args.train_args)]
@@ -194,7 +215,8 @@ def main():
                         "opt_level": args.opt_level, "img_per_s": speed or "",
                         "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
                         "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note,
-                        "epochs": args.epochs}, output)
+                        "epochs": args.epochs,
+                        "second_half_img_per_s": second_half_rate(output, args.epochs - 1) or ""}, output)
         if args.timm_train:
             command = [sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val",
                        "--model", args.arch, "-b", str(args.batch_size), "-j", str(workers), "--amp",
@@ -207,7 +229,8 @@ def main():
             record({"name": "timm train.py --amp --channels-last", "backend": "timm", "decoder": "",
                     "workers": workers, "compile": "False", "opt_level": "amp", "img_per_s": speed or "",
                     "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
-                    "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": args.epochs}, output)
+                    "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": args.epochs,
+                    "second_half_img_per_s": ""}, output)  # timm's averages count steps differently
     print(f"=> written to {args.out}")
 
 
