@@ -356,9 +356,10 @@ def _canvas(pictures, regions, tall, wide, dtype):
     launched a few kernels per picture and computing a per-pixel index cost several passes over
     the canvas (both measured on the H200)."""
     device = pictures[0].device
-    # Each picture flattened in CHW order, whatever its strides, in one call (not one per picture),
-    # then room for the last rows' overrun.
-    flat = torch.cat([_flatten_dense_tensors(pictures), torch.zeros(wide, dtype=torch.uint8, device=device)])
+    # Each picture flattened in CHW order, whatever its strides, and room for the last rows'
+    # overrun, in one call and one copy (a cat of the flattened pictures copied them all again:
+    # an eighth of the resampling's kernel time on the H200).
+    flat = _flatten_dense_tensors([*pictures, torch.zeros(wide, dtype=torch.uint8, device=device)])
     sizes = torch.tensor([p.numel() for p in pictures], dtype=torch.int64)
     meta = torch.tensor([[p.shape[1], p.shape[2], top, left, h] for p, (top, left, h, w) in zip(pictures, regions)],
                         dtype=torch.int64)
