@@ -15,8 +15,9 @@ last epoch's average Speed (img/s over all processes) from the Apex log line, so
 epochs worker start-up, compilation and cudnn.benchmark's search are left out; more epochs show
 whether a run keeps speeding up after its first minute. Each train.py row also gives the rate over
 the second half of that last epoch (second_half_img_per_s): epochs here are short, and each begins
-with the input pipeline refilling after validation, which a 5,000-step ImageNet epoch would hide. The plain-PyTorch reference trains the same model on one
-random batch held on the GPU (no input pipeline at all): the GPU-bound ceiling for that config.
+with the input pipeline refilling after validation, which a 5,000-step ImageNet epoch would hide.
+The plain-PyTorch reference trains the same model on one random batch held on the GPU (no input
+pipeline at all): the GPU-bound ceiling for that config.
 Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
 counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
 Rows are printed as they come and the CSV is rewritten after each (utils.files.atomic_write_csv).
@@ -134,7 +135,7 @@ def second_half_rate(text, epoch):
     """img/s over the second half of `epoch` in a train.py log, or None (fewer than two interval
     lines with one in the first half). An epoch's average climbs while its start-up (the input
     pipeline refilling after validation) fades, so the epoch average understates a long epoch;
-    this is the rate after the interval line nearest the middle. A line's average is
+    this is the rate after the last interval line at or before the middle. A line's average is
     steps / (time since the epoch began) x batch, so the time between lines k1 and k2 is
     k2 / avg2 - k1 / avg1 batches' worth, whatever the batch."""
     lines = [(int(step), float(average)) for at, step, _, average in APEX_SPEED.findall(text) if int(at) == epoch]
