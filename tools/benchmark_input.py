@@ -17,7 +17,8 @@ whether a run keeps speeding up after its first minute. Each train.py row also g
 the second half of that last epoch (second_half_img_per_s): epochs here are short, and each begins
 with the input pipeline refilling after validation, which a 5,000-step ImageNet epoch would hide.
 The plain-PyTorch reference trains the same model on one random batch held on the GPU (no input
-pipeline at all): the GPU-bound ceiling for that config.
+pipeline at all): the GPU-bound ceiling for that config. Without a CUDA device its row says it was
+not run and the train.py rows run on the CPU, without ratios (a smoke test, not a benchmark).
 Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
 counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
 Rows are printed as they come and the CSV is rewritten after each (utils.files.atomic_write_csv).
@@ -149,6 +150,24 @@ def second_half_rate(text, epoch):
     return round((k2 - k1) / (k2 / average2 - k1 / average1), 1)
 
 
+PLAIN_NAME = "plain PyTorch, random batch on the GPU"
+
+
+def result_row(name, backend, compile_, opt_level, speed, reference, seconds, memory, note, decoder="", workers=0,
+               epochs="", second_half=None):
+    """One CSV row; ratio_to_plain where both this figure and the reference exist."""
+    return {"name": name, "backend": backend, "decoder": decoder, "workers": workers, "compile": compile_,
+            "opt_level": opt_level, "img_per_s": speed or "",
+            "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
+            "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": epochs,
+            "second_half_img_per_s": second_half or ""}
+
+
+def cuda_available():
+    import torch
+    return torch.cuda.is_available()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", help="ImageFolder root with train/ and val/ (tools/make_fake_imagenet.py)")
@@ -178,21 +197,23 @@ def main():
     def record(row, output):
         rows.append(row)
         print(" | ".join(str(row[key]) for key in COLUMNS), flush=True)
-        if row["img_per_s"] in ("", None):
+        if row["img_per_s"] in ("", None) and output:
             print(output[-2000:], flush=True)
         atomic_write_csv(args.out, rows, COLUMNS, lineterminator="\n")
 
     plain = {}
+    cuda = cuda_available()
     for compile_ in args.compile:
+        if not cuda:  # train.py rows still run (on the CPU), without a ratio
+            record(result_row(PLAIN_NAME, "none", compile_, args.opt_level, None, None, 0.0, "",
+                              "not run: no CUDA device here, and the reference trains on the GPU"), "")
+            continue
         output, note, seconds, memory = run([sys.executable, "-c", PLAIN, args.arch, str(args.batch_size), "50",
                                              args.opt_level, compile_], args.timeout)
         found = PLAIN_SPEED.findall(output)
         speed = float(found[-1]) if found else None
         plain[compile_] = speed
-        record({"name": "plain PyTorch, random batch on the GPU", "backend": "none", "decoder": "", "workers": 0,
-                "compile": compile_, "opt_level": args.opt_level, "img_per_s": speed or "", "ratio_to_plain": 1.0,
-                "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": "",
-                "second_half_img_per_s": ""}, output)
+        record(result_row(PLAIN_NAME, "none", compile_, args.opt_level, speed, speed, seconds, memory, note), output)
     common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", str(args.epochs),
               "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite",
               *shlex.split(args.train_args)]
@@ -211,13 +232,10 @@ def main():
                 speed = epoch_average(APEX_SPEED, output, args.epochs - 1)
                 reference = plain.get(compile_)
                 used = re.findall(r"jpeg decoder (\w+)", output)
-                record({"name": "train.py", "backend": backend, "decoder": used[0] if used else decoder,
-                        "workers": 0 if backend == "synthetic" else workers, "compile": compile_,
-                        "opt_level": args.opt_level, "img_per_s": speed or "",
-                        "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
-                        "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note,
-                        "epochs": args.epochs,
-                        "second_half_img_per_s": second_half_rate(output, args.epochs - 1) or ""}, output)
+                record(result_row("train.py", backend, compile_, args.opt_level, speed, reference, seconds, memory,
+                                  note, decoder=used[0] if used else decoder,
+                                  workers=0 if backend == "synthetic" else workers, epochs=args.epochs,
+                                  second_half=second_half_rate(output, args.epochs - 1)), output)
         if args.timm_train:
             command = [sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val",
                        "--model", args.arch, "-b", str(args.batch_size), "-j", str(workers), "--amp",
@@ -227,11 +245,9 @@ def main():
             output, note, seconds, memory = run(command, args.timeout)
             speed = epoch_average(TIMM_SPEED, output, args.epochs - 1)
             reference = plain.get("False")
-            record({"name": "timm train.py --amp --channels-last", "backend": "timm", "decoder": "",
-                    "workers": workers, "compile": "False", "opt_level": "amp", "img_per_s": speed or "",
-                    "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
-                    "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": args.epochs,
-                    "second_half_img_per_s": ""}, output)  # timm's averages count steps differently
+            # No second-half figure: timm's averages count steps differently.
+            record(result_row("timm train.py --amp --channels-last", "timm", "False", "amp", speed, reference,
+                              seconds, memory, note, workers=workers, epochs=args.epochs), output)
     print(f"=> written to {args.out}")
 
 
