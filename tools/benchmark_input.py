@@ -126,9 +126,14 @@ def compile_flags(value):
     return ["--compile", "True", "--compile-mode", value]
 
 
+def epoch_lines(pattern, text, epoch):
+    """(epoch, step, steps, average) of each interval line of `epoch` (from 0) in a log."""
+    return [match for match in pattern.findall(text) if int(match[0]) == epoch]
+
+
 def epoch_average(pattern, text, epoch):
     """The average img/s of the last interval line of `epoch` (from 0) in a log, or None."""
-    found = [match for match in pattern.findall(text) if int(match[0]) == epoch]
+    found = epoch_lines(pattern, text, epoch)
     return float(found[-1][3]) if found else None
 
 
@@ -139,7 +144,7 @@ def second_half_rate(text, epoch):
     this is the rate after the last interval line at or before the middle. A line's average is
     steps / (time since the epoch began) x batch, so the time between lines k1 and k2 is
     k2 / avg2 - k1 / avg1 batches' worth, whatever the batch."""
-    lines = [(int(step), float(average)) for at, step, _, average in APEX_SPEED.findall(text) if int(at) == epoch]
+    lines = [(int(step), float(average)) for _, step, _, average in epoch_lines(APEX_SPEED, text, epoch)]
     if len(lines) < 2:
         return None
     k2, average2 = lines[-1]
