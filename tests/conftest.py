@@ -105,6 +105,18 @@ def run_command(command, env=None, cwd=None, timeout=TIMEOUT):
                           cwd=cwd or ROOT, timeout=timeout)
 
 
+def leave_together(code=0):
+    """End a rank of a probe run under torchrun: every rank waits for the others, then exits
+    without the process group's C++ teardown (utils.errors.leave, as the scripts do). A rank
+    leaving while gloo's threads still served another aborted it ("terminate called without an
+    active exception"), even after a barrier and Accelerator.end_training (CI, 2026-12-04).
+    Whatever the probe wrote must be closed before."""
+    import torch.distributed as dist
+    from utils.errors import leave
+    dist.barrier()
+    leave(code)
+
+
 def run_script(script, *args, env=None, cwd=None, timeout=TIMEOUT):
     """Run one of the project's scripts in a fresh process; returns CompletedProcess."""
     return run_command([sys.executable, os.path.join(ROOT, script), *args], env=env, cwd=cwd, timeout=timeout)

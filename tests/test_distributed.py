@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 # As a torchrun script too: tests/ is then sys.path[0], and conftest puts ROOT on sys.path.
-from conftest import FINAL, HALF_TINY, ROOT, TIMEOUT, TINY, run_command, subprocess_env
+from conftest import FINAL, HALF_TINY, ROOT, TIMEOUT, TINY, leave_together, run_command, subprocess_env
 
 BIN = os.path.dirname(sys.executable)
 EPOCH_LINE = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\]\tTime ([\d.]+) \([\d.]+\)\tSpeed ([\d.]+) ")
@@ -340,7 +340,7 @@ def probe(out_path, argv):
                       train_size=data.train_sampler.size, last_lr=optimizer.param_groups[0]["lr"])
         with open(out_path, "w") as handle:
             json.dump(merged, handle)
-    accelerator.end_training()
+    leave_together()
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "probe":

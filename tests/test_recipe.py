@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import ROOT, run_command
+from conftest import ROOT, leave_together, run_command
 from utils.errors import UsageError
 from utils.recipe import (build_criterion, build_ema, build_mixup, build_optimizer, build_random_erasing,
                           augment_transform, ema_state_dict, micro_batch_context, param_groups,
@@ -307,10 +307,7 @@ def accum_probe(out_path):
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump({"ranks": gathered, "big": [p.grad.tolist() for p in reference.parameters()]}, handle)
-    # Leave together: a rank exiting while gloo's threads still served the other aborted it once
-    # ("terminate called without an active exception"). end_training destroys the process group.
-    dist.barrier()
-    accelerator.end_training()
+    leave_together()
 
 
 def test_micro_batches_skip_the_ddp_all_reduce_until_the_last(tmp_path):
