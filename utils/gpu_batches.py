@@ -294,12 +294,20 @@ def axis_reach(lengths, size, interpolation):
 
 
 def dense_weights(taps, weights, span, dtype):
-    """(n, size, span) matrix in dtype from axis_weights' taps and weights: zeros but for the taps.
-    Taps outside [0, span) carry weight 0 and go to a spare last column, cut off after, so every
-    real position is written by at most one tap (scatter_ without races)."""
-    taps = torch.where((taps >= 0) & (taps < span), taps, span)
-    matrix = torch.zeros(*taps.shape[:2], span + 1, dtype=dtype, device=taps.device)
-    return matrix.scatter_(2, taps, weights.to(dtype))[..., :span]
+    """(n, size, span) contiguous matrix in dtype from axis_weights' taps and weights: zeros but
+    for the taps. span must exceed every image's clip, so the last column is beyond them all:
+    taps outside [0, span) carry weight 0 and go there, and every position a weight reaches is
+    written by exactly one tap (scatter_'s duplicates only ever write zeros)."""
+    taps = torch.where((taps >= 0) & (taps < span), taps, span - 1)
+    matrix = torch.zeros(*taps.shape[:2], span, dtype=dtype, device=taps.device)
+    return matrix.scatter_(2, taps, weights.to(dtype))
+
+
+def _gemm_span(length):
+    """A canvas side for regions up to length: one more (dense_weights' spare column), rounded up
+    to a multiple of 8 so the half-precision matmuls get aligned leading dimensions (unaligned
+    ones fall back to slow kernels: the H200 profile showed sm75 "align1" GEMMs)."""
+    return -(-(length + 1) // 8) * 8
 
 
 def _regions(boxes, shapes, train):
@@ -376,7 +384,7 @@ def _resample_chunk(pictures, boxes, regions, size, interpolation, dtype):
     """Two batched matmuls: (size x tall row weights) @ canvas (tall x 3*wide), then the three
     channels' rows @ (wide x size column weights). Returns (n, 3, size, size) in dtype."""
     device = pictures[0].device
-    n, tall, wide = len(pictures), max(r[2] for r in regions), max(r[3] for r in regions)
+    n, tall, wide = len(pictures), _gemm_span(max(r[2] for r in regions)), _gemm_span(max(r[3] for r in regions))
     canvas = _canvas(pictures, regions, tall, wide, dtype).view(n, tall, 3 * wide)
     local = boxes.clone()
     local[:, 0] -= torch.tensor([r[0] for r in regions], dtype=torch.float64)
