@@ -2,6 +2,7 @@
 decoder (on CPU tensors here; nvJPEG itself in the tests marked gpu)."""
 import io
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
+from conftest import run_command
 from utils.crops import CenterBoxes, PilTrainCrop, TrainBoxes, center_box, train_box
 from utils.errors import UsageError
 from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, GpuBatches, _canvas, jpeg_route, pack_bytes,
@@ -151,10 +153,9 @@ def test_chunked_canvas_gives_the_same_pixels():
     assert torch.equal(whole, chunked)
 
 
-def test_canvas_holds_each_region_at_its_top_left():
-    """Each region of the gathered canvas equals the picture's own pixels, for pictures stored CHW
-    and HWC (raw payloads are HWC memory seen as CHW), regions touching the far edges included;
-    beyond a region the canvas holds picture bytes (finite: the weights there are zero)."""
+def canvas_case():
+    """Twelve pictures, stored CHW and HWC (raw payloads are HWC memory seen as CHW), with regions
+    touching the far edges or not; returns (pictures, regions, tall, wide)."""
     generator = torch.Generator().manual_seed(0)
     pictures, regions = [], []
     for k in range(12):
@@ -165,13 +166,54 @@ def test_canvas_holds_each_region_at_its_top_left():
         top, left = (0, 0) if k % 3 == 0 else (height // 3, width // 4)
         pictures.append(picture)
         regions.append((top, left, height - top - (k % 2), width - left))
-    tall, wide = max(r[2] for r in regions), max(r[3] for r in regions)
-    canvas = _canvas(pictures, regions, tall, wide, torch.float32)
+    return pictures, regions, max(r[2] for r in regions) + 3, max(r[3] for r in regions) + 5
+
+
+def check_canvas(canvas, pictures, regions, tall, wide, zeros_beyond):
+    """Each region sits at its slot's top left with the picture's own pixels; beyond it finite
+    values (the weights there are zero), or zeros where the canvas promises them."""
     assert canvas.shape == (len(pictures), tall, 3, wide)
+    canvas = canvas.cpu()
     for k, (picture, (top, left, height, width)) in enumerate(zip(pictures, regions)):
-        region = picture[:, top:top + height, left:left + width].permute(1, 0, 2).float()
-        assert torch.equal(canvas[k, :height, :, :width], region), k
+        region = picture.cpu()[:, top:top + height, left:left + width].permute(1, 0, 2).float()
+        assert torch.equal(canvas[k, :height, :, :width].float(), region), k
+        if zeros_beyond:
+            assert not canvas[k, height:].any() and not canvas[k, :, :, width:].any(), k
     assert canvas.min() >= 0 and canvas.max() <= 255
+
+
+def test_canvas_holds_each_region_at_its_top_left():
+    pictures, regions, tall, wide = canvas_case()
+    check_canvas(_canvas(pictures, regions, tall, wide, torch.float32), pictures, regions, tall, wide, False)
+
+
+def test_triton_canvas_kernel_in_the_interpreter():
+    """The CUDA canvas kernel run by Triton's interpreter on CPU tensors (a fresh process: the
+    switch is read when the kernel is defined): regions in place, zeros beyond them."""
+    code = ("import sys\n"
+            "sys.path.insert(0, 'tests')\n"
+            "from test_gpu_batches import canvas_case, check_canvas\n"
+            "from utils.canvas_kernel import region_canvas\n"
+            "import torch\n"
+            "pictures, regions, tall, wide = canvas_case()\n"
+            "canvas = region_canvas(pictures, regions, tall, wide, torch.float32)\n"
+            "check_canvas(canvas, pictures, regions, tall, wide, True)\n"
+            "print('canvas ok', tuple(canvas.shape))\n")
+    done = run_command([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "canvas ok (12, " in done.stdout
+
+
+@pytest.mark.gpu
+def test_triton_canvas_on_the_gpu_matches_the_torch_canvas():
+    from utils.canvas_kernel import region_canvas
+    from utils.gpu_batches import _torch_canvas
+    pictures, regions, tall, wide = canvas_case()
+    pictures = [picture.cuda() for picture in pictures]
+    canvas = region_canvas(pictures, regions, tall, wide, torch.float16)
+    check_canvas(canvas, pictures, regions, tall, wide, True)
+    check_canvas(_torch_canvas(pictures, regions, tall, wide, torch.float16), pictures, regions, tall, wide, False)
+    check_canvas(_canvas(pictures, regions, tall, wide, torch.float16), pictures, regions, tall, wide, True)
 
 
 def test_padding_never_reaches_the_output():
@@ -437,6 +479,32 @@ def test_gpu_threads_hand_over_the_decoders_batches_under_queued_work(mixed_fold
     assert len(kept) == len(expected)
     for got, want in zip(kept, expected):
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_hardware_decoder_reuses_retired_images_and_gives_the_same_pixels(mixed_folder):
+    """Once batches retire, the hardware decoder decodes into their images' buffers; every picture
+    equals its decode by a fresh decoder although each call sees the files in another order (so a
+    buffer is reused for pictures of other sizes)."""
+    pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec (optional) not installed")
+    from utils.gpu_batches import HardwareJpeg
+    payloads = [torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8) for path, _ in mixed_folder]
+    payloads = [payload for payload in payloads if jpeg_route(payload.numpy().tobytes()) == GPU]
+    stream = torch.cuda.Stream()
+    first = HardwareJpeg("cuda")(payloads, stream)
+    stream.synchronize()
+    wanted = [None if picture is None else picture.cpu() for picture in first]
+    assert sum(picture is not None for picture in wanted) >= 4
+    decoder = HardwareJpeg("cuda")
+    for call in range(10):
+        order = [(k + call) % len(payloads) for k in range(len(payloads))]
+        pictures = decoder([payloads[k] for k in order], stream)
+        stream.synchronize()
+        for k, picture in zip(order, pictures):
+            assert (picture is None) == (wanted[k] is None)
+            if picture is not None:
+                assert torch.equal(picture.cpu(), wanted[k]), (call, k)
+    assert decoder.reused >= 4 * len(payloads)
 
 
 @pytest.mark.gpu

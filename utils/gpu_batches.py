@@ -57,6 +57,9 @@ STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
 # smaller canvas keeps the decode stream's share of GPU memory down, and a few huge photos get
 # chunks of their own instead of inflating one.
 CANVAS_BUDGET = 2 ** 24
+# Largest retired nvImageCodec image kept for reuse (HardwareJpeg): 2 MiB holds an 800 x 800 RGB
+# picture, well above ImageNet's typical 500 x 375, so the spares cost at most a batch x 2 MiB.
+SPARE_BYTES = 2 ** 21
 
 
 # ----------------------------------------------------------------------------- header routing
@@ -310,6 +313,15 @@ def _gemm_span(length):
     return -(-(length + 1) // 8) * 8
 
 
+def to_device(tensor, device):
+    """A small CPU tensor on device: on CUDA through pinned memory, so the copy is queued like a
+    kernel instead of first waiting for the stream's queued work, as a copy from pageable memory
+    does (the resampling thread's host time)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _regions(boxes, shapes, train):
     """Per image the pixels the kernels may read: the crop box itself for training (torchvision
     crops, then resizes), the whole image for validation (resize, then crop); cut to the image."""
@@ -350,12 +362,26 @@ def resample_batch(pictures, boxes, shapes, size, train=True, interpolation="bil
     if order != sorted(order):  # back to batch order (index_select: deterministic on CUDA)
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
-        out = out.index_select(0, inverse.to(device))
+        out = out.index_select(0, to_device(inverse, device))
     return out.round_().clamp_(0, 255)
 
 
 def _canvas(pictures, regions, tall, wide, dtype):
-    """(n, tall, 3, wide) in dtype: row y of channel c of image k holds wide source pixels from
+    """(n, tall, 3, wide) in dtype holding each picture's region (top, left, h, w) at the top left
+    of its slot; what lies beyond the region is finite and never counts (zero weights). On CUDA
+    one Triton kernel (utils/canvas_kernel.py) where Triton is installed, else torch ops."""
+    if pictures[0].is_cuda:
+        try:
+            from .canvas_kernel import region_canvas
+        except ImportError:  # torch builds without Triton
+            pass
+        else:
+            return region_canvas(pictures, regions, tall, wide, dtype)
+    return _torch_canvas(pictures, regions, tall, wide, dtype)
+
+
+def _torch_canvas(pictures, regions, tall, wide, dtype):
+    """_canvas in torch ops: row y of channel c of image k holds wide source pixels from
     row top + y, column left of its picture. Inside each region (top, left, h, w) that is the
     region itself; beyond it (rows past h repeat row h - 1, columns past w run on into the
     picture's memory) it is whatever finite bytes lie there: the resampling weights are zero
@@ -392,7 +418,7 @@ def _resample_chunk(pictures, boxes, regions, size, interpolation, dtype):
     clips = torch.tensor([r[2:] for r in regions], dtype=torch.float64)
     reach_rows = axis_reach(local[:, 2].tolist(), size, interpolation)
     reach_cols = axis_reach(local[:, 3].tolist(), size, interpolation)
-    local, clips = local.to(device), clips.to(device)  # float64: box edges and centres stay exact
+    local, clips = to_device(torch.cat([local, clips], 1), device).split([5, 2], 1)  # float64: edges stay exact
     rows = dense_weights(*axis_weights(local[:, 0], local[:, 2], size, clips[:, 0], reach_rows, interpolation),
                          tall, dtype)
     cols = dense_weights(*axis_weights(local[:, 1], local[:, 3], size, clips[:, 1], reach_cols, interpolation,
@@ -478,15 +504,29 @@ class HardwareJpeg:
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                               allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.P_RGB)
         self.recent = collections.deque(maxlen=4)
+        self.spare = []  # images of retired batches, decoded into again
+        self.reused = 0  # pictures decoded into a retired image's buffer (the tests read it)
 
     def __call__(self, payloads, stream):
         sources = [self.nvimgcodec.CodeStream(payload.numpy()) for payload in payloads]
-        images = self.decoder.decode(sources, params=self.params, cuda_stream=stream.cuda_stream)
-        # nvImageCodec frees an image's memory when the image object goes, unordered with the
-        # streams that read it (record_stream cannot see it), so each batch stays referenced for
-        # three more calls. That is enough in GpuBatches: decode k+4 starts only after batch k+3
+        # Decoding into retired images: a new image per picture allocates device memory and frees
+        # it when the image goes, and with those calls the decode thread could not keep up with a
+        # CUDA-graphed step (H200, train.py O1: the step waited ~17 ms a batch for its input; with
+        # reuse it never waits once the first steps of an epoch are past, docs/speed.md).
+        reuse = None
+        if len(self.spare) >= len(sources):
+            reuse, self.spare = self.spare[-len(sources):], self.spare[:-len(sources)]
+            self.reused += len(reuse)
+        images = self.decoder.decode(sources, images=reuse, params=self.params, cuda_stream=stream.cuda_stream)
+        # An image's memory is freed or written again unordered with the streams that read it
+        # (record_stream cannot see it), so each batch stays referenced for three more calls
+        # before it retires. That is enough in GpuBatches: decode k+4 starts only after batch k+3
         # was queued, hence after k+2 left that queue, hence after the resampling of k+1 was
         # queued, which first synchronised the resampling stream, so k's resampling is done.
+        if len(self.recent) == self.recent.maxlen:
+            # Only ordinary sizes are kept: one huge photo would otherwise pin its buffer for good.
+            self.spare += [image for image in self.recent[0] if image is not None and image.capacity <= SPARE_BYTES]
+            del self.spare[:-2 * len(sources)]  # a short batch's surplus: no more than two batches' worth
         self.recent.append(images)
         return [None if image is None else torch.as_tensor(image, device=self.device) for image in images]
 
