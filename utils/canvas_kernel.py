@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS, BLOCK_COLUMNS = 8, 128
-FIELDS = 8  # per picture: address, top, left, height, width, channel / row / column strides
 
 
 @triton.jit(do_not_specialize=["tall", "wide"])  # one compiled kernel for every canvas size
@@ -22,7 +21,7 @@ def _copy_regions(table, out, tall, wide, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMN
     channel = tl.program_id(0) % 3
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     columns = tl.program_id(2) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)[None, :]
-    entry = table + picture * 8
+    entry = table + picture * 8  # address, top, left, height, width, channel / row / column strides
     source = tl.load(entry).to(tl.pointer_type(tl.uint8))
     top, left = tl.load(entry + 1), tl.load(entry + 2)
     height, width = tl.load(entry + 3), tl.load(entry + 4)

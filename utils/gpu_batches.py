@@ -58,7 +58,7 @@ STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
 # chunks of their own instead of inflating one.
 CANVAS_BUDGET = 2 ** 24
 # Largest retired nvImageCodec image kept for reuse (HardwareJpeg): 2 MiB holds an 800 x 800 RGB
-# picture, well above ImageNet's typical 500 x 375, so the spares cost at most a batch x 2 MiB.
+# picture, well above ImageNet's typical 500 x 375, so the spares cost at most two batches x 2 MiB.
 SPARE_BYTES = 2 ** 21
 
 
