@@ -193,10 +193,10 @@ def test_triton_canvas_kernel_in_the_interpreter():
     code = ("import sys\n"
             "sys.path.insert(0, 'tests')\n"
             "from test_gpu_batches import canvas_case, check_canvas\n"
-            "from utils.canvas_kernel import region_canvas\n"
+            "from utils.canvas_kernel import region_canvas, region_table\n"
             "import torch\n"
             "pictures, regions, tall, wide = canvas_case()\n"
-            "canvas = region_canvas(pictures, regions, tall, wide, torch.float32)\n"
+            "canvas = region_canvas(region_table(pictures, regions), tall, wide, torch.float32)\n"
             "check_canvas(canvas, pictures, regions, tall, wide, True)\n"
             "print('canvas ok', tuple(canvas.shape))\n")
     done = run_command([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"})
@@ -206,11 +206,11 @@ def test_triton_canvas_kernel_in_the_interpreter():
 
 @pytest.mark.gpu
 def test_triton_canvas_on_the_gpu_matches_the_torch_canvas():
-    from utils.canvas_kernel import region_canvas
+    from utils.canvas_kernel import region_canvas, region_table
     from utils.gpu_batches import _torch_canvas
     pictures, regions, tall, wide = canvas_case()
     pictures = [picture.cuda() for picture in pictures]
-    canvas = region_canvas(pictures, regions, tall, wide, torch.float16)
+    canvas = region_canvas(region_table(pictures, regions).cuda(), tall, wide, torch.float16)
     check_canvas(canvas, pictures, regions, tall, wide, True)
     check_canvas(_torch_canvas(pictures, regions, tall, wide, torch.float16), pictures, regions, tall, wide, False)
     check_canvas(_canvas(pictures, regions, tall, wide, torch.float16), pictures, regions, tall, wide, True)

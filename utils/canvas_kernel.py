@@ -33,15 +33,18 @@ def _copy_regions(table, out, tall, wide, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMN
     tl.store(target, pixels.to(out.dtype.element_ty), mask=(rows < tall) & (columns < wide))
 
 
-def region_canvas(pictures, regions, tall, wide, dtype):
-    """(n, tall, 3, wide) in dtype: each picture's region (top, left, h, w) at the top left of its
-    slot, zeros elsewhere. pictures: uint8 CHW tensors (any strides) on one device."""
-    device = pictures[0].device
-    table = torch.tensor([[picture.data_ptr(), top, left, h, w, *picture.stride()]
-                          for picture, (top, left, h, w) in zip(pictures, regions)], dtype=torch.int64)
-    if device.type == "cuda":  # pinned: the copy is queued, not waiting for the stream's kernels first
-        table = table.pin_memory().to(device, non_blocking=True)
-    out = torch.empty(len(pictures), tall, 3, wide, dtype=dtype, device=device)
-    grid = (3 * len(pictures), triton.cdiv(tall, BLOCK_ROWS), triton.cdiv(wide, BLOCK_COLUMNS))
+def region_table(pictures, regions):
+    """The kernel's table, int64 on the CPU: a row per picture (uint8 CHW tensors, any strides)
+    with its address, its region (top, left, h, w) and its strides."""
+    return torch.tensor([[picture.data_ptr(), top, left, h, w, *picture.stride()]
+                         for picture, (top, left, h, w) in zip(pictures, regions)], dtype=torch.int64)
+
+
+def region_canvas(table, tall, wide, dtype):
+    """(n, tall, 3, wide) in dtype on the table's device: each picture's region at the top left of
+    its slot, zeros elsewhere. table: region_table's, moved to the pictures' device (the caller
+    keeps the pictures alive until the kernel has run)."""
+    out = torch.empty(len(table), tall, 3, wide, dtype=dtype, device=table.device)
+    grid = (3 * len(table), triton.cdiv(tall, BLOCK_ROWS), triton.cdiv(wide, BLOCK_COLUMNS))
     _copy_regions[grid](table, out, tall, wide, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLUMNS=BLOCK_COLUMNS)
     return out

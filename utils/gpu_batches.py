@@ -372,11 +372,11 @@ def _canvas(pictures, regions, tall, wide, dtype):
     one Triton kernel (utils/canvas_kernel.py) where Triton is installed, else torch ops."""
     if pictures[0].is_cuda:
         try:
-            from .canvas_kernel import region_canvas
+            from .canvas_kernel import region_canvas, region_table
         except ImportError:  # torch builds without Triton
             pass
         else:
-            return region_canvas(pictures, regions, tall, wide, dtype)
+            return region_canvas(to_device(region_table(pictures, regions), pictures[0].device), tall, wide, dtype)
     return _torch_canvas(pictures, regions, tall, wide, dtype)
 
 
