@@ -28,6 +28,7 @@ image's crop region, so the padding never leaks in, and a flip is the horizontal
 """
 import collections
 import contextlib
+import functools
 import io
 import math
 import os
@@ -370,14 +371,22 @@ def _canvas(pictures, regions, tall, wide, dtype):
     """(n, tall, 3, wide) in dtype holding each picture's region (top, left, h, w) at the top left
     of its slot; what lies beyond the region is finite and never counts (zero weights). On CUDA
     one Triton kernel (utils/canvas_kernel.py) where Triton is installed, else torch ops."""
-    if pictures[0].is_cuda:
-        try:
-            from .canvas_kernel import region_canvas, region_table
-        except ImportError:  # torch builds without Triton
-            pass
-        else:
-            return region_canvas(to_device(region_table(pictures, regions), pictures[0].device), tall, wide, dtype)
+    kernel = _canvas_kernel() if pictures[0].is_cuda else None
+    if kernel is not None:
+        table = to_device(kernel.region_table(pictures, regions), pictures[0].device)
+        return kernel.region_canvas(table, tall, wide, dtype)
     return _torch_canvas(pictures, regions, tall, wide, dtype)
+
+
+@functools.cache
+def _canvas_kernel():
+    """utils.canvas_kernel, or None on torch builds without Triton: looked up once, not on every
+    chunk of every batch (a failed import searches the path again each time)."""
+    try:
+        from . import canvas_kernel
+    except ImportError:
+        return None
+    return canvas_kernel
 
 
 def _torch_canvas(pictures, regions, tall, wide, dtype):
