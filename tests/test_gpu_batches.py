@@ -481,6 +481,25 @@ def test_gpu_threads_hand_over_the_decoders_batches_under_queued_work(mixed_fold
         assert torch.equal(got.cpu(), want)
 
 
+def test_spares_are_paired_so_that_fewest_must_grow():
+    """Each picture gets a spare image of its own, and no other pairing leaves fewer pictures
+    larger than their spare (each of those costs a free and an allocation on the GPU)."""
+    from utils.gpu_batches import pair_by_size
+    assert pair_by_size([5, 1, 3], [2, 9, 4, 7]) == [3, 0, 2]
+    assert pair_by_size([100, 50], [60, 40]) == [1, 0]
+    assert pair_by_size([], [4, 2]) == []
+    generator = np.random.default_rng(0)
+    for _ in range(50):
+        capacities = generator.integers(1, 100, 40).tolist()
+        needs = generator.integers(1, 100, int(generator.integers(1, 41))).tolist()
+        chosen = pair_by_size(needs, capacities)
+        assert len(set(chosen)) == len(needs) and all(0 <= k < len(capacities) for k in chosen)
+        grown = sum(need > capacities[k] for need, k in zip(needs, chosen))
+        for _ in range(20):  # no other pairing needs fewer spares to grow
+            other = generator.permutation(len(capacities))[:len(needs)]
+            assert grown <= sum(need > capacities[k] for need, k in zip(needs, other))
+
+
 @pytest.mark.gpu
 def test_hardware_decoder_reuses_retired_images_and_gives_the_same_pixels(mixed_folder):
     """Once batches retire, the hardware decoder decodes into their images' buffers; every picture

@@ -58,9 +58,9 @@ STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
 # smaller canvas keeps the decode stream's share of GPU memory down, and a few huge photos get
 # chunks of their own instead of inflating one.
 CANVAS_BUDGET = 2 ** 24
-# Largest retired nvImageCodec image kept for reuse (HardwareJpeg): 2 MiB holds an 800 x 800 RGB
-# picture, well above ImageNet's typical 500 x 375, so the spares cost at most two batches x 2 MiB.
-SPARE_BYTES = 2 ** 21
+# Largest retired nvImageCodec image kept for reuse (HardwareJpeg): 1 MiB holds a 590 x 590 RGB
+# picture, above ImageNet's typical 500 x 375; a larger one is decoded into a buffer of its own.
+SPARE_BYTES = 2 ** 20
 
 
 # ----------------------------------------------------------------------------- header routing
@@ -516,15 +516,20 @@ class HardwareJpeg:
         self.spare = []  # images of retired batches, decoded into again
         self.reused = 0  # pictures decoded into a retired image's buffer (the tests read it)
 
-    def __call__(self, payloads, stream):
+    def __call__(self, payloads, stream, shapes=None):
+        """shapes: per payload its (height, width) from the header, to match spares by size."""
         sources = [self.nvimgcodec.CodeStream(payload.numpy()) for payload in payloads]
         # Decoding into retired images: a new image per picture allocates device memory and frees
         # it when the image goes, and with those calls the decode thread could not keep up with a
         # CUDA-graphed step (H200, train.py O1: the step waited ~17 ms a batch for its input; with
-        # reuse it never waits once the first steps of an epoch are past, docs/speed.md).
+        # reuse it never waits once the first steps of an epoch are past, docs/speed.md). Spares
+        # are matched to the pictures by size, so one is grown (a free and an allocation) only
+        # where no spare left is large enough; the leftovers go.
         reuse = None
         if len(self.spare) >= len(sources):
-            reuse, self.spare = self.spare[-len(sources):], self.spare[:-len(sources)]
+            needs = [3 * height * width for height, width in shapes] if shapes is not None else [0] * len(sources)
+            reuse = [self.spare[i] for i in pair_by_size(needs, [image.capacity for image in self.spare])]
+            self.spare = []
             self.reused += len(reuse)
         images = self.decoder.decode(sources, images=reuse, params=self.params, cuda_stream=stream.cuda_stream)
         # An image's memory is freed or written again unordered with the streams that read it
@@ -535,9 +540,27 @@ class HardwareJpeg:
         if len(self.recent) == self.recent.maxlen:
             # Only ordinary sizes are kept: one huge photo would otherwise pin its buffer for good.
             self.spare += [image for image in self.recent[0] if image is not None and image.capacity <= SPARE_BYTES]
-            del self.spare[:-2 * len(sources)]  # a short batch's surplus: no more than two batches' worth
         self.recent.append(images)
         return [None if image is None else torch.as_tensor(image, device=self.device) for image in images]
+
+
+def pair_by_size(needs, capacities):
+    """For each need (the bytes a picture takes), the index of a distinct spare to decode it into,
+    chosen so that as many needs as possible fit their spare's capacity (the rest must grow one:
+    a free and an allocation). Smallest needs first, each taking the smallest spare it fits;
+    the needs that fit none take the largest spares left. needs: no more than capacities."""
+    by_capacity = sorted(range(len(capacities)), key=capacities.__getitem__)
+    chosen, used, position = [None] * len(needs), set(), 0
+    for need in sorted(range(len(needs)), key=needs.__getitem__):
+        while position < len(by_capacity) and capacities[by_capacity[position]] < needs[need]:
+            position += 1
+        if position == len(by_capacity):
+            break
+        chosen[need] = by_capacity[position]
+        used.add(by_capacity[position])
+        position += 1
+    left = (k for k in reversed(by_capacity) if k not in used)
+    return [k if k is not None else next(left) for k in chosen]
 
 
 def settle_jpeg_decoder(wanted, device):
@@ -649,7 +672,8 @@ class GpuBatchDecoder:
         pictures = [None] * len(payloads)
         jpegs = [i for i, is_raw in enumerate(raw) if not is_raw]
         if jpegs:
-            decoded = self._decode_jpegs([payloads[i] for i in jpegs], packed.indices[jpegs].tolist())
+            decoded = self._decode_jpegs([payloads[i] for i in jpegs], packed.indices[jpegs].tolist(),
+                                         [shapes[i] for i in jpegs])
             for i, picture in zip(jpegs, decoded):
                 pictures[i] = picture
         by_pil = [i for i, is_raw in enumerate(raw) if is_raw]  # the workers' PIL pixels
@@ -663,10 +687,10 @@ class GpuBatchDecoder:
                 pictures[i] = pixels.view(height, width, 3).permute(2, 0, 1)
         return pictures
 
-    def _decode_jpegs(self, payloads, indices):
+    def _decode_jpegs(self, payloads, indices, shapes):
         if self.hardware is None:
             return self._nvjpeg(payloads, indices)
-        pictures = self.hardware(payloads, self.decode_stream)
+        pictures = self.hardware(payloads, self.decode_stream, shapes)
         refused = [k for k, picture in enumerate(pictures) if picture is None]
         if refused:  # the engines take baseline 4:2:0/4:2:2/4:4:4 files; nvJPEG or PIL the rest
             again = self._nvjpeg([payloads[k] for k in refused], [indices[k] for k in refused])
