@@ -13,7 +13,7 @@ from torchvision import transforms
 from conftest import run_command
 from utils.crops import CenterBoxes, PilTrainCrop, TrainBoxes, center_box, train_box
 from utils.errors import UsageError
-from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, GpuBatches, _canvas, jpeg_route, pack_bytes,
+from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, GpuBatches, Packed, _canvas, jpeg_route, pack_bytes,
                                pil_rgb, reference_crop, resample_batch, unpack)
 
 SIZE = 64
@@ -273,6 +273,12 @@ def test_packed_batches_cross_worker_processes(mixed_folder):
     got = list(loader)
     assert sum(len(packed.labels) for packed in got) == len(dataset)
     assert unpack(got[0].buffer, got[0].offsets)[0].numpy().tobytes() == open(mixed_folder[0][0], "rb").read()
+    for start, packed in zip(range(0, len(dataset), 4), got):
+        here = pack_bytes([dataset[index] for index in range(start, min(start + 4, len(dataset)))])
+        for name, field, expected in zip(Packed._fields, packed, here):
+            assert field.dtype == expected.dtype and torch.equal(field, expected), name
+        # Only the buffer crossed through shared memory; the small fields came inside the pickle.
+        assert packed.buffer.is_shared() and not any(field.is_shared() for field in packed[1:])
 
 
 # ----------------------------------------------------------------------------- decoder
