@@ -494,8 +494,8 @@ def _stderr_kept_aside():
 class HardwareJpeg:
     """Batched JPEG decode on the GPU's hardware JPEG engines through nvImageCodec.
 
-    __call__(payloads, stream) -> per payload a uint8 CHW tensor on the device, or None where the
-    engines refused the file. Decoding is ordered on `stream` (the GpuBatchDecoder's own). The
+    __call__(payloads, stream, shapes) -> per payload a uint8 CHW tensor on the device, or None
+    where the engines refused the file. Decoding is ordered on `stream` (the GpuBatchDecoder's own). The
     engines take no SM time, so they decode the next batch while the training step runs
     (torchvision's batched decode reaches the same engines for baseline files; see the module
     docstring).
