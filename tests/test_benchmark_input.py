@@ -6,7 +6,7 @@ import re
 import torch
 
 from conftest import QUICK, run_script
-from tools.benchmark_input import APEX_SPEED, epoch_average, second_half_rate
+from tools.benchmark_input import APEX_SPEED, PLAIN_NAME, epoch_average, medians, second_half_rate
 
 TOOL = "tools/benchmark_input.py"
 
@@ -43,20 +43,51 @@ def test_fewer_than_one_epoch_is_a_usage_error(tmp_path):
     assert "--epochs 0" in result.stderr and "at least one epoch" in result.stderr
 
 
-def test_a_run_writes_a_row_per_configuration(tmp_path):
-    """The tool end to end on random tensors (train.py synthetic, tiny): the CSV holds the
-    reference row (run where CUDA is, else saying why not) and the train.py row with the last
-    epoch's average and its second half."""
+def test_a_run_writes_a_row_per_configuration_and_round(tmp_path):
+    """The tool end to end on random tensors (train.py synthetic, tiny), two rounds: the CSV holds
+    per round the reference row (run where CUDA is, else saying why not) and the train.py row with
+    the last epoch's average and its second half; the summary gives the train.py rows' median."""
     out = tmp_path / "bench.csv"
     result = run_script(TOOL, tmp_path, "--backends", "synthetic", "--compile", "False", "--workers", "0",
                         "-a", "resnet18", "-b", "16", "--opt-level", "O0", "--steps-per-epoch", "4", "--epochs", "2",
-                        "--train-args", "--image-size 32 -p 1", "--out", out, "--timeout", "600")
+                        "--train-args", "--image-size 32 -p 1", "--out", out, "--timeout", "600", "--repeat", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    plain, trained = list(csv.DictReader(out.open()))
-    assert plain["backend"] == "none" and trained["backend"] == "synthetic"
-    if torch.cuda.is_available():
-        assert float(plain["img_per_s"]) > 0 and float(trained["ratio_to_plain"]) > 0
-    else:
-        assert plain["img_per_s"] == "" and "no CUDA" in plain["note"] and trained["ratio_to_plain"] == ""
-    assert float(trained["img_per_s"]) > 0 and float(trained["second_half_img_per_s"]) > 0
-    assert trained["epochs"] == "2" and trained["note"] == ""
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["backend"], row["round"]) for row in rows] == [("none", "1"), ("synthetic", "1"),
+                                                                 ("none", "2"), ("synthetic", "2")]
+    for plain, trained in (rows[:2], rows[2:]):
+        if torch.cuda.is_available():
+            assert float(plain["img_per_s"]) > 0 and float(trained["ratio_to_plain"]) > 0
+        else:
+            assert plain["img_per_s"] == "" and "no CUDA" in plain["note"] and trained["ratio_to_plain"] == ""
+        assert float(trained["img_per_s"]) > 0 and float(trained["second_half_img_per_s"]) > 0
+        assert trained["epochs"] == "2" and trained["note"] == ""
+    speeds = [float(row["img_per_s"]) for row in rows[1::2]]
+    summary = re.search(r"train\.py synthetic compile False: ([\d.]+) \(([\d.]+)-([\d.]+), 2 of 2 rounds\)",
+                        result.stdout)
+    assert summary, result.stdout[-2000:]
+    expected = (sum(speeds) / 2, *sorted(speeds))  # the median of two, the lowest, the highest
+    assert [float(value) for value in summary.groups()] == [round(value, 1) for value in expected]
+    assert result.stdout.rstrip().splitlines()[-1] == f"=> written to {out}"
+
+
+def test_medians_group_runs_by_configuration_and_hold_them_to_the_plain_median():
+    def row(name, backend, compile_, speed, workers=8, decoder=""):
+        return {"name": name, "backend": backend, "decoder": decoder, "workers": workers, "compile": compile_,
+                "img_per_s": speed}
+    rows = [row(PLAIN_NAME, "none", "True", 100.0, 0), row("train.py", "gpu", "True", 80.0, decoder="cuda"),
+            row("train.py", "cpu", "True", 30.0), row(PLAIN_NAME, "none", "True", 110.0, 0),
+            row("train.py", "gpu", "True", 90.0, decoder="cuda"), row("train.py", "cpu", "True", ""),
+            row(PLAIN_NAME, "none", "True", 90.0, 0), row("train.py", "gpu", "True", 60.0, decoder="cuda"),
+            row("train.py", "cpu", "True", 40.0), row("timm", "timm", "False", 20.0)]
+    got = {key[1]: rest for key, *rest in medians(rows)}
+    assert got["none"] == [100.0, 90.0, 110.0, 3, 1.0]
+    assert got["gpu"] == [80.0, 60.0, 90.0, 3, 0.8]
+    assert got["cpu"] == [35.0, 30.0, 40.0, 2, 0.35]  # a failed round is left out of the median
+    assert got["timm"] == [20.0, 20.0, 20.0, 1, None]  # no plain reference without compile here
+    assert [key[1] for key, *_ in medians(rows)] == ["none", "gpu", "cpu", "timm"]
+
+
+def test_no_rounds_is_a_usage_error(tmp_path):
+    result = run_script(TOOL, tmp_path, "--repeat", "0")
+    assert result.returncode == 2 and "--repeat 0" in result.stderr

@@ -22,15 +22,22 @@ not run and the train.py rows run on the CPU, without ratios (a smoke test, not 
 Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
 counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
 Rows are printed as they come and the CSV is rewritten after each (utils.files.atomic_write_csv).
+--repeat N runs the whole list N times, round by round (A B C, A B C, ...), so that a slow spell of
+the machine falls on every configuration alike; each run is a row (column round; ratio_to_plain
+against the same round's reference) and the tool ends with each configuration's median and range.
+One run of one configuration on one machine has differed by up to 11 % from the next on the H200
+(docs/results/h200_spare_pool.txt): compare configurations on medians, not single runs.
 """
 import argparse
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -75,7 +82,7 @@ print(f"plain img/s {steps * batch / (time.perf_counter() - start):.1f}")
 """
 
 COLUMNS = ("name", "backend", "decoder", "workers", "compile", "opt_level", "img_per_s", "ratio_to_plain",
-           "gpu_mem_gib", "seconds", "note", "epochs", "second_half_img_per_s")
+           "gpu_mem_gib", "seconds", "note", "epochs", "second_half_img_per_s", "round")
 
 
 class PeakGpuMemory:
@@ -159,13 +166,84 @@ PLAIN_NAME = "plain PyTorch, random batch on the GPU"
 
 
 def result_row(name, backend, compile_, opt_level, speed, reference, seconds, memory, note, decoder="", workers=0,
-               epochs="", second_half=None):
+               epochs="", second_half=None, round_=1):
     """One CSV row; ratio_to_plain where both this figure and the reference exist."""
     return {"name": name, "backend": backend, "decoder": decoder, "workers": workers, "compile": compile_,
             "opt_level": opt_level, "img_per_s": speed or "",
             "ratio_to_plain": round(speed / reference, 3) if speed and reference else "",
             "gpu_mem_gib": memory, "seconds": round(seconds, 1), "note": note, "epochs": epochs,
-            "second_half_img_per_s": second_half or ""}
+            "second_half_img_per_s": second_half or "", "round": round_}
+
+
+class Run(NamedTuple):
+    """One configuration of a round: what its rows say of it, and the command that measures it
+    (None: not runnable here, recorded with note)."""
+    kind: str          # "plain", "train" or "timm": which log format, and which reference it is held to
+    name: str
+    backend: str
+    decoder: str
+    workers: int
+    compile: str
+    command: list
+    note: str = ""
+
+
+def medians(rows):
+    """Per configuration (name, backend, decoder, workers, compile), in first-seen order: the
+    median img/s over its rounds, the lowest, the highest, the rounds with a figure, and the
+    median's ratio to the median of the plain reference with the same compile value."""
+    groups = {}
+    for row in rows:
+        key = (row["name"], row["backend"], row["decoder"], row["workers"], row["compile"])
+        groups.setdefault(key, []).extend([float(row["img_per_s"])] if row["img_per_s"] not in ("", None) else [])
+    plain = {key[4]: statistics.median(speeds) for key, speeds in groups.items()
+             if key[0] == PLAIN_NAME and speeds}
+    summary = []
+    for key, speeds in groups.items():
+        if not speeds:
+            continue
+        middle = statistics.median(speeds)
+        reference = plain.get(key[4] if key[1] != "timm" else "False")
+        summary.append((key, middle, min(speeds), max(speeds), len(speeds),
+                        round(middle / reference, 3) if reference else None))
+    return summary
+
+
+def planned_runs(args, cuda):
+    """One round's runs, in order: the plain reference per --compile value, then per worker count
+    every train.py configuration and timm's run. Without CUDA the reference is not run (said in
+    its note) and the train.py rows run on the CPU."""
+    runs = []
+    for compile_ in args.compile:
+        if not cuda:
+            runs.append(Run("plain", PLAIN_NAME, "none", "", 0, compile_, None,
+                            "not run: no CUDA device here, and the reference trains on the GPU"))
+            continue
+        runs.append(Run("plain", PLAIN_NAME, "none", "", 0, compile_,
+                        [sys.executable, "-c", PLAIN, args.arch, str(args.batch_size), "50", args.opt_level, compile_]))
+    common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", str(args.epochs),
+              "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite",
+              *shlex.split(args.train_args)]
+    for workers in args.workers:
+        for backend in args.backends:
+            decoders = args.decoders if backend == "gpu" else [""]
+            for decoder, compile_ in [(d, c) for d in decoders for c in args.compile]:
+                if backend == "synthetic" and workers != args.workers[0]:
+                    continue  # no workers to vary
+                out = os.path.join("/tmp", f"bench-{backend}-{decoder}-{workers}-{compile_}")
+                source = ["synthetic"] if backend == "synthetic" else [args.data, "-j", str(workers),
+                                                                       "--data-backend", backend]
+                runs.append(Run("train", "train.py", backend, decoder, 0 if backend == "synthetic" else workers,
+                                compile_, [sys.executable, "train.py", *source, *common, *compile_flags(compile_),
+                                           *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]))
+        if args.timm_train:
+            runs.append(Run("timm", "timm train.py --amp --channels-last", "timm", "", workers, "False", [
+                sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val", "--model", args.arch,
+                "-b", str(args.batch_size), "-j", str(workers), "--amp", "--channels-last", "--color-jitter", "0",
+                "--train-interpolation", "bilinear", "--epochs", str(args.epochs), "--sched", "step",
+                "--warmup-epochs", "0", "--log-interval", "10", "--output", "/tmp/timm-bench", "--num-classes",
+                "1000"]))
+    return runs
 
 
 def cuda_available():
@@ -193,9 +271,13 @@ def main():
     parser.add_argument("--timm-train", default=None, help="path of timm's train.py (from its repository)")
     parser.add_argument("--out", default="input_benchmark.csv", help="CSV to write (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds: every configuration this many times, "
+                        "round by round, then each one's median (default: %(default)s)")
     args = parser.parse_args()
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: a run needs at least one epoch (2 or more leave start-up out)")
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: at least one round")
 
     rows = []
 
@@ -206,53 +288,38 @@ def main():
             print(output[-2000:], flush=True)
         atomic_write_csv(args.out, rows, COLUMNS, lineterminator="\n")
 
-    plain = {}
-    cuda = cuda_available()
-    for compile_ in args.compile:
-        if not cuda:  # train.py rows still run (on the CPU), without a ratio
-            record(result_row(PLAIN_NAME, "none", compile_, args.opt_level, None, None, 0.0, "",
-                              "not run: no CUDA device here, and the reference trains on the GPU"), "")
-            continue
-        output, note, seconds, memory = run([sys.executable, "-c", PLAIN, args.arch, str(args.batch_size), "50",
-                                             args.opt_level, compile_], args.timeout)
-        found = PLAIN_SPEED.findall(output)
-        speed = float(found[-1]) if found else None
-        plain[compile_] = speed
-        record(result_row(PLAIN_NAME, "none", compile_, args.opt_level, speed, speed, seconds, memory, note), output)
-    common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", str(args.epochs),
-              "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite",
-              *shlex.split(args.train_args)]
-    for workers in args.workers:
-        for backend in args.backends:
-            decoders = args.decoders if backend == "gpu" else [""]
-            for decoder, compile_ in [(d, c) for d in decoders for c in args.compile]:
-                if backend == "synthetic" and workers != args.workers[0]:
-                    continue  # no workers to vary
-                out = os.path.join("/tmp", f"bench-{backend}-{decoder}-{workers}-{compile_}")
-                source = ["synthetic"] if backend == "synthetic" else [args.data, "-j", str(workers),
-                                                                       "--data-backend", backend]
-                command = [sys.executable, "train.py", *source, *common, *compile_flags(compile_),
-                           *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]
-                output, note, seconds, memory = run(command, args.timeout)
-                speed = epoch_average(APEX_SPEED, output, args.epochs - 1)
-                reference = plain.get(compile_)
+    runs = planned_runs(args, cuda_available())
+    for round_ in range(1, args.repeat + 1):
+        plain = {}  # this round's reference figure per compile value
+        for planned in runs:
+            output, note, seconds, memory = ("", planned.note, 0.0, "") if planned.command is None else \
+                run(planned.command, args.timeout)
+            fields = dict(decoder=planned.decoder, workers=planned.workers, round_=round_)
+            if planned.kind == "plain":
+                found = PLAIN_SPEED.findall(output)
+                speed = float(found[-1]) if found else None
+                plain[planned.compile] = speed
+                row = result_row(planned.name, planned.backend, planned.compile, args.opt_level, speed, speed,
+                                 seconds, memory, note, **fields)
+            elif planned.kind == "train":
                 used = re.findall(r"jpeg decoder (\w+)", output)
-                record(result_row("train.py", backend, compile_, args.opt_level, speed, reference, seconds, memory,
-                                  note, decoder=used[0] if used else decoder,
-                                  workers=0 if backend == "synthetic" else workers, epochs=args.epochs,
-                                  second_half=second_half_rate(output, args.epochs - 1)), output)
-        if args.timm_train:
-            command = [sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val",
-                       "--model", args.arch, "-b", str(args.batch_size), "-j", str(workers), "--amp",
-                       "--channels-last", "--color-jitter", "0", "--train-interpolation", "bilinear",
-                       "--epochs", str(args.epochs), "--sched", "step", "--warmup-epochs", "0", "--log-interval", "10",
-                       "--output", "/tmp/timm-bench", "--num-classes", "1000"]
-            output, note, seconds, memory = run(command, args.timeout)
-            speed = epoch_average(TIMM_SPEED, output, args.epochs - 1)
-            reference = plain.get("False")
-            # No second-half figure: timm's averages count steps differently.
-            record(result_row("timm train.py --amp --channels-last", "timm", "False", "amp", speed, reference,
-                              seconds, memory, note, workers=workers, epochs=args.epochs), output)
+                fields["decoder"] = used[0] if used else planned.decoder
+                row = result_row(planned.name, planned.backend, planned.compile, args.opt_level,
+                                 epoch_average(APEX_SPEED, output, args.epochs - 1), plain.get(planned.compile),
+                                 seconds, memory, note, epochs=args.epochs,
+                                 second_half=second_half_rate(output, args.epochs - 1), **fields)
+            else:  # timm; no second-half figure: timm's averages count steps differently
+                row = result_row(planned.name, planned.backend, planned.compile, "amp",
+                                 epoch_average(TIMM_SPEED, output, args.epochs - 1), plain.get("False"),
+                                 seconds, memory, note, epochs=args.epochs, **fields)
+            record(row, output)
+    if args.repeat > 1:
+        print(f"=> median img/s of {args.repeat} rounds (lowest-highest), x the plain reference's median:")
+        for (name, backend, decoder, workers, compile_), middle, low, high, count, ratio in medians(rows):
+            label = " ".join(str(part) for part in (name, backend, decoder, f"-j {workers}" if workers else "",
+                                                    f"compile {compile_}") if part)
+            print(f"   {label}: {middle:.1f} ({low:.1f}-{high:.1f}, {count} of {args.repeat} rounds)"
+                  + (f", {ratio}x plain" if ratio is not None else ""))
     print(f"=> written to {args.out}")
 
 
