@@ -33,7 +33,8 @@ def test_the_figure_is_the_last_epochs_final_average(tmp_path):
     middle = max(k for k, step in enumerate(steps[:-1]) if step <= steps[-1] / 2)
     seconds_per_image = sum((steps[k] - steps[k - 1]) / speeds[k] for k in range(middle + 1, len(steps)))
     expected = (steps[-1] - steps[middle]) / seconds_per_image
-    assert abs(second_half_rate(log, 2) - expected) < 1e-3 * expected
+    # second_half_rate rounds to 0.1 img/s; a busy machine runs this tiny model at ~40 img/s
+    assert abs(second_half_rate(log, 2) - expected) <= 0.05 + 1e-3 * expected
     assert second_half_rate(log, 3) is None
 
 
