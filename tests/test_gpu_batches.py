@@ -216,6 +216,59 @@ def test_triton_canvas_on_the_gpu_matches_the_torch_canvas():
     check_canvas(_canvas(pictures, regions, tall, wide, torch.float16), pictures, regions, tall, wide, True)
 
 
+def normalise_case(device="cpu"):
+    """Two chunks of resampled images (fp16, the matmuls' (k, size, 3, size) layout seen as
+    (k, 3, size, size)) with ties at .5, values beyond 0..255 and both signs of zero, their
+    places in a batch of 7, and ImageNet's mean and std x 255 as the decoder holds them."""
+    generator = torch.Generator().manual_seed(1)
+    size, chunks = 13, []
+    for group in ([4, 0, 6], [2, 5, 1, 3]):
+        values = torch.randint(-40, 600, (len(group), size, 3, size), generator=generator) / 2.0
+        values.view(-1)[:4] = torch.tensor([-0.0, 0.5, 254.5, 255.5])
+        chunks.append((group, values.half().to(device).permute(0, 2, 1, 3)))
+    mean = torch.tensor([m * 255 for m in IMAGENET_MEAN], device=device).view(1, 3, 1, 1)
+    std = torch.tensor([s * 255 for s in IMAGENET_STD], device=device).view(1, 3, 1, 1)
+    return chunks, size, mean, std
+
+
+def normalised_by_torch(chunks, size, mean, std, memory_format):
+    """What GpuBatchDecoder._finish computes with torch ops: round, clamp, fp32, normalise."""
+    order = [i for group, _ in chunks for i in group]
+    pixels = torch.cat([images for _, images in chunks])[torch.tensor(order).argsort()]
+    images = pixels.round_().clamp_(0, 255).float().contiguous(memory_format=memory_format)
+    return images.sub_(mean).div_(std)
+
+
+def check_normalise_into(normalise_into, device):
+    chunks, size, mean, std = normalise_case(device)
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        out = torch.full((7, 3, size, size), float("nan"), device=device).contiguous(memory_format=memory_format)
+        for group, images in chunks:
+            normalise_into(out, images, torch.tensor(group, device=device), mean, std)
+        want = normalised_by_torch(chunks, size, mean, std, memory_format)
+        assert out.is_contiguous(memory_format=memory_format) and torch.equal(out.cpu(), want.cpu())
+
+
+def test_triton_normalise_kernel_in_the_interpreter():
+    """The kernel that rounds, clamps, normalises and places each image, run by Triton's
+    interpreter on CPU tensors: bit for bit the torch ops' result, in both layouts."""
+    code = ("import sys\n"
+            "sys.path.insert(0, 'tests')\n"
+            "from test_gpu_batches import check_normalise_into\n"
+            "from utils.canvas_kernel import normalise_into\n"
+            "check_normalise_into(normalise_into, 'cpu')\n"
+            "print('normalise ok')\n")
+    done = run_command([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "normalise ok" in done.stdout
+
+
+@pytest.mark.gpu
+def test_triton_normalise_on_the_gpu_matches_the_torch_ops():
+    from utils.canvas_kernel import normalise_into
+    check_normalise_into(normalise_into, "cuda")
+
+
 def test_padding_never_reaches_the_output():
     """An image resampled in a batch of larger ones (its canvas padded with their bytes) equals
     the same image resampled alone, for every interpolation and both flips."""
@@ -409,6 +462,26 @@ def jpeg_decoder(request):
 def gpu_decoder(dataset, jpeg_decoder, train=True, size=SIZE):
     return GpuBatchDecoder("cuda", size, IMAGENET_MEAN, IMAGENET_STD, channels_last=True, name_of=dataset.name,
                            train=train, jpeg_decoder=jpeg_decoder)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("train", [True, False], ids=["train", "val"])
+def test_gpu_finish_in_one_kernel_equals_the_torch_ops(mixed_folder, train):
+    """The decoder's last pass (utils.canvas_kernel.normalise_into per chunk) gives bit for bit
+    what resample_batch and the torch normalisation give, for a batch split into several chunks."""
+    from utils.gpu_batches import resample_batch
+    boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
+    dataset = ByteSamples(mixed_folder, boxes)
+    packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
+    decoder = gpu_decoder(dataset, "cuda", train=train)
+    pictures = decoder.decode(packed)
+    torch.cuda.synchronize()
+    budget = 3 * max(h * w for h, w in packed.shapes.tolist())  # several chunks, so reordering happens
+    want = resample_batch(pictures, packed.boxes, packed.shapes, SIZE, train, "bilinear", torch.float16, budget)
+    want = want.float().contiguous(memory_format=torch.channels_last).sub_(decoder.mean).div_(decoder.std)
+    decoder.canvas_budget = budget
+    got, _ = decoder._finish(packed, pictures)
+    assert got.is_contiguous(memory_format=torch.channels_last) and torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""The resampling canvas in one Triton kernel on CUDA (utils/gpu_batches.py's _canvas on the CPU).
+"""The resampling's Triton kernels on CUDA: the canvas (utils/gpu_batches.py's _canvas on the CPU)
+and the last pass that rounds, normalises and places each image (normalise_into).
 
 Each program copies a tile of one channel of one picture's crop region, read straight from the
 picture's own memory (its address and strides come in a small table), into the fp16 canvas, and
@@ -48,3 +49,37 @@ def region_canvas(table, tall, wide, dtype):
     grid = (3 * len(table), triton.cdiv(tall, BLOCK_ROWS), triton.cdiv(wide, BLOCK_COLUMNS))
     _copy_regions[grid](table, out, tall, wide, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLUMNS=BLOCK_COLUMNS)
     return out
+
+
+@triton.jit(do_not_specialize=["size"])
+def _normalise_into(source, positions, out, mean, std, size, stride_image, stride_channel, stride_row,
+                    stride_column, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):
+    image = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    columns = tl.arange(0, BLOCK_COLUMNS)[None, :]
+    inside = (rows < size) & (columns < size)
+    target = out + tl.load(positions + image) * stride_image + rows * stride_row + columns * stride_column
+    for channel in tl.static_range(3):
+        pixels = tl.load(source + ((image * size + rows) * 3 + channel).to(tl.int64) * size + columns, mask=inside,
+                         other=0.0).to(tl.float32)
+        # Round half to even as torch.round does: adding 1.5 * 2**23 leaves no fraction bits in
+        # float32, so the sum rounds to an integer (exact for |x| < 2**22; these are 0..255 give
+        # or take the resampling's overshoot).
+        pixels = tl.minimum(tl.maximum((pixels + 12582912.0) - 12582912.0, 0.0), 255.0)
+        # div_rn: IEEE division as torch's div_ does; Triton's `/` is approximate (2 ulp) on NVIDIA.
+        tl.store(target + channel * stride_channel, tl.math.div_rn(pixels - tl.load(mean + channel),
+                                                                   tl.load(std + channel)), mask=inside)
+
+
+def normalise_into(out, chunk, positions, mean, std):
+    """out[positions[k]] = (clamp(round(chunk[k]), 0, 255) - mean) / std for each image k of the
+    chunk, per channel: the float32 batch out (n, 3, size, size, any strides, e.g. channels_last)
+    filled chunk by chunk. chunk: (k, 3, size, size), a view of a contiguous (k, size, 3, size)
+    (the resampling's matmul layout); positions: int64 (k,), mean and std: 3 float32 values, all
+    on out's device."""
+    rows_first = chunk.permute(0, 2, 1, 3)
+    assert rows_first.is_contiguous() and out.dtype == torch.float32
+    size = chunk.shape[-1]
+    grid = (len(chunk), triton.cdiv(size, BLOCK_ROWS))
+    _normalise_into[grid](rows_first, positions, out, mean.reshape(3).contiguous(), std.reshape(3).contiguous(),
+                          size, *out.stride(), BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLUMNS=triton.next_power_of_2(size))

@@ -358,6 +358,16 @@ def _chunks(regions, budget):
     return groups + [group] if group else groups
 
 
+def resample_chunks(pictures, boxes, shapes, size, train=True, interpolation="bilinear",
+                    dtype=torch.float32, budget=CANVAS_BUDGET):
+    """resample_batch before its last touches: per chunk (its batch indices, their images
+    (k, 3, size, size) in dtype, not yet rounded; a view of a contiguous (k, size, 3, size))."""
+    regions = _regions(boxes, shapes, train)
+    return [(group, _resample_chunk([pictures[i] for i in group], boxes[group], [regions[i] for i in group],
+                                    size, interpolation, dtype))
+            for group in _chunks(regions, budget)]
+
+
 def resample_batch(pictures, boxes, shapes, size, train=True, interpolation="bilinear",
                    dtype=torch.float32, budget=CANVAS_BUDGET):
     """Crop every picture (uint8 CHW, any size, one device) to its box, resize to size x size,
@@ -365,13 +375,9 @@ def resample_batch(pictures, boxes, shapes, size, train=True, interpolation="bil
     the uint8 images of the cpu backend are. boxes: float64 (n, 5) CPU; shapes: int64 (n, 2) CPU.
     """
     device = pictures[0].device
-    regions = _regions(boxes, shapes, train)
-    outputs, order = [], []
-    for group in _chunks(regions, budget):
-        outputs.append(_resample_chunk([pictures[i] for i in group], boxes[group], [regions[i] for i in group],
-                                       size, interpolation, dtype))
-        order += group
-    out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    chunks = resample_chunks(pictures, boxes, shapes, size, train, interpolation, dtype, budget)
+    order = [i for group, _ in chunks for i in group]
+    out = torch.cat([images for _, images in chunks]) if len(chunks) > 1 else chunks[0][1]
     if order != sorted(order):  # back to batch order (index_select: deterministic on CUDA)
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
@@ -623,6 +629,7 @@ class GpuBatchDecoder:
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.hardware = HardwareJpeg(self.device) if self.cuda and jpeg_decoder == "hardware" else None
         self.in_use = []  # the pictures the resampling stream may still be reading (resample)
+        self.canvas_budget = CANVAS_BUDGET  # pixels one chunk's canvas may hold (_chunks)
 
     def __call__(self, packed):
         return self.resample(*self.decode_stage(packed))
@@ -671,10 +678,22 @@ class GpuBatchDecoder:
         return images, targets
 
     def _finish(self, packed, pictures):
-        pixels = resample_batch(pictures, packed.boxes, packed.shapes, self.size, self.train,
-                                self.interpolation, self.dtype)
-        images = pixels.float().contiguous(memory_format=self.memory_format)
-        images.sub_(self.mean).div_(self.std)
+        kernels = _canvas_kernel() if self.cuda else None
+        if kernels is None:
+            pixels = resample_batch(pictures, packed.boxes, packed.shapes, self.size, self.train,
+                                    self.interpolation, self.dtype, self.canvas_budget)
+            images = pixels.float().contiguous(memory_format=self.memory_format)
+            images.sub_(self.mean).div_(self.std)
+        else:
+            # One pass per chunk rounds, clamps, normalises and writes each image at its place in
+            # the batch and layout; the torch ops above take seven passes over the batch (a cat,
+            # the reordering, round, clamp, the fp32 channels_last copy, sub, div).
+            images = torch.empty(len(pictures), 3, self.size, self.size, device=self.device,
+                                 memory_format=self.memory_format)
+            for group, chunk in resample_chunks(pictures, packed.boxes, packed.shapes, self.size, self.train,
+                                                self.interpolation, self.dtype, self.canvas_budget):
+                kernels.normalise_into(images, chunk, to_device(torch.tensor(group), self.device), self.mean,
+                                       self.std)
         return images, packed.labels.to(self.device, non_blocking=True)
 
     def decode(self, packed):
