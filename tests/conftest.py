@@ -40,6 +40,7 @@ FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
     config.addinivalue_line("markers", "slow: minutes long; left out of the default run (pytest.ini), run with -m slow")
+    config.addinivalue_line("markers", "first: one of the longest tests, started before the rest (see below)")
     import torch
     torch.set_num_threads(int(THREADS))  # the in-process tests, for the reason above
     # A suite started in the background of a non-interactive shell (`.ci/run &` in a script)
@@ -51,6 +52,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The longest tests go first: started last, the 3-minute demo kept one xdist worker busy alone
+    # after the other had run out of tests (CI's wall time is what the 15-minute budget counts).
+    items.sort(key=lambda item: "first" not in item.keywords)
     import torch
     if torch.cuda.is_available():
         return

@@ -169,6 +169,7 @@ def torchrun_command(*args):
             os.path.join(ROOT, "train.py"), *args]
 
 
+@pytest.mark.first
 def test_two_process_sigterm_stops_every_rank_at_one_step_and_resumes(cache_dir, tmp_path):
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     rc, out, err = run_until(torchrun_command(*TWO_PROC, "--output-dir", stopped), r"Epoch: \[0\]\[2/8\]",

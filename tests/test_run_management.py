@@ -74,6 +74,7 @@ def test_resume_dir_without_checkpoint_is_refused(tmp_path):
         parse(["--resume", tmp_path])
 
 
+@pytest.mark.first
 def test_resume_auto_continues_without_retyping_flags(cache_dir, tmp_path):
     # Non-default flags in the first run; the second types only --resume auto, --output-dir and the
     # new total --epochs. Under --deterministic it must equal one uninterrupted 2-epoch run.

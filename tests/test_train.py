@@ -19,6 +19,7 @@ def losses(stdout):
     return [m.groups() for m in APEX_LINE.finditer(stdout)]
 
 
+@pytest.mark.first
 def test_demo_ends_at_97_percent_and_saves_checkpoints(cache_dir, tmp_path):
     result = run_script("train.py", "--output-dir", tmp_path)
     assert result.returncode == 0, result.stderr
