@@ -187,21 +187,27 @@ def test_canvas_holds_each_region_at_its_top_left():
     check_canvas(_canvas(pictures, regions, tall, wide, torch.float32), pictures, regions, tall, wide, False)
 
 
+def in_triton_interpreter(*lines):
+    """Run lines of Python in a fresh process with Triton's interpreter on (the switch is read
+    when a kernel is defined), this directory importable; returns what it printed."""
+    code = "\n".join(["import sys", "sys.path.insert(0, 'tests')", *lines])
+    done = run_command([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_triton_canvas_kernel_in_the_interpreter():
     """The CUDA canvas kernel run by Triton's interpreter on CPU tensors (a fresh process: the
     switch is read when the kernel is defined): regions in place, zeros beyond them."""
-    code = ("import sys\n"
-            "sys.path.insert(0, 'tests')\n"
-            "from test_gpu_batches import canvas_case, check_canvas\n"
-            "from utils.canvas_kernel import region_canvas, region_table\n"
-            "import torch\n"
-            "pictures, regions, tall, wide = canvas_case()\n"
-            "canvas = region_canvas(region_table(pictures, regions), tall, wide, torch.float32)\n"
-            "check_canvas(canvas, pictures, regions, tall, wide, True)\n"
-            "print('canvas ok', tuple(canvas.shape))\n")
-    done = run_command([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "canvas ok (12, " in done.stdout
+    printed = in_triton_interpreter(
+        "from test_gpu_batches import canvas_case, check_canvas",
+        "from utils.canvas_kernel import region_canvas, region_table",
+        "import torch",
+        "pictures, regions, tall, wide = canvas_case()",
+        "canvas = region_canvas(region_table(pictures, regions), tall, wide, torch.float32)",
+        "check_canvas(canvas, pictures, regions, tall, wide, True)",
+        "print('canvas ok', tuple(canvas.shape))")
+    assert "canvas ok (12, " in printed
 
 
 @pytest.mark.gpu
@@ -252,15 +258,12 @@ def check_normalise_into(normalise_into, device):
 def test_triton_normalise_kernel_in_the_interpreter():
     """The kernel that rounds, clamps, normalises and places each image, run by Triton's
     interpreter on CPU tensors: bit for bit the torch ops' result, in both layouts."""
-    code = ("import sys\n"
-            "sys.path.insert(0, 'tests')\n"
-            "from test_gpu_batches import check_normalise_into\n"
-            "from utils.canvas_kernel import normalise_into\n"
-            "check_normalise_into(normalise_into, 'cpu')\n"
-            "print('normalise ok')\n")
-    done = run_command([sys.executable, "-c", code], env={"TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "normalise ok" in done.stdout
+    printed = in_triton_interpreter(
+        "from test_gpu_batches import check_normalise_into",
+        "from utils.canvas_kernel import normalise_into",
+        "check_normalise_into(normalise_into, 'cpu')",
+        "print('normalise ok')")
+    assert "normalise ok" in printed
 
 
 @pytest.mark.gpu
