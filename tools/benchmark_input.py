@@ -203,7 +203,7 @@ def medians(rows):
         if not speeds:
             continue
         middle = statistics.median(speeds)
-        reference = plain.get(key[4] if key[1] != "timm" else "False")
+        reference = plain.get(key[4])  # timm's runs are planned with compile "False", as it runs
         summary.append((key, middle, min(speeds), max(speeds), len(speeds),
                         round(middle / reference, 3) if reference else None))
     return summary
@@ -310,7 +310,7 @@ def main():
                                  second_half=second_half_rate(output, args.epochs - 1), **fields)
             else:  # timm; no second-half figure: timm's averages count steps differently
                 row = result_row(planned.name, planned.backend, planned.compile, "amp",
-                                 epoch_average(TIMM_SPEED, output, args.epochs - 1), plain.get("False"),
+                                 epoch_average(TIMM_SPEED, output, args.epochs - 1), plain.get(planned.compile),
                                  seconds, memory, note, epochs=args.epochs, **fields)
             record(row, output)
     if args.repeat > 1:
