@@ -610,17 +610,18 @@ def test_hardware_decoder_reuses_retired_images_and_gives_the_same_pixels(mixed_
 
 @pytest.mark.gpu
 def test_jpeg_decoder_is_settled_on_cuda():
-    """auto: hardware where nvImageCodec finds JPEG engines, else cuda, and the reason is given;
-    cuda asked for is kept."""
+    """auto: cuda, with the reason; cuda asked for is kept; hardware where nvImageCodec finds JPEG
+    engines, else a usage error naming what is missing."""
     from utils.gpu_batches import settle_jpeg_decoder
-    name, why = settle_jpeg_decoder("auto", "cuda")
-    assert name in ("cuda", "hardware") and why.startswith("auto: ")
+    assert settle_jpeg_decoder("auto", "cuda") == ("cuda", "auto: nvJPEG measured faster in training")
     assert settle_jpeg_decoder("cuda", "cuda") == ("cuda", "--jpeg-decoder")
     try:
         import nvidia.nvimgcodec  # noqa: F401
     except ImportError:
         with pytest.raises(UsageError, match="nvImageCodec is not installed"):
             settle_jpeg_decoder("hardware", "cuda")
+    else:
+        assert settle_jpeg_decoder("hardware", "cuda") == ("hardware", "--jpeg-decoder")
 
 
 def test_phase_timing_leaves_the_threaded_loader_alone(mixed_folder):

@@ -16,10 +16,10 @@ decode_jpeg(list, device="cuda"), and `hardware`, nvImageCodec with its hardware
 (optional: `pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg`, cu12 for CUDA 12 builds). Both
 reach the JPEG engines that A100/H100/H200-class GPUs carry beside the SMs: torchvision creates
 nvJPEG with its hardware backend where the GPU has one and sends the baseline files of a batch
-there (the rest through nvJPEG's hybrid path), so on such GPUs the two measured alike
-(docs/speed.md). `hardware` exists for control (a decoder that never falls back to the SMs
-silently) and for builds of torchvision without that path. auto takes hardware where it can be
-created, else cuda. An image the engines refuse is decoded by nvJPEG, then by PIL.
+there (the rest through nvJPEG's hybrid path). In training on an H200 `cuda` was the faster
+of the two in every same-run benchmark (docs/speed.md), so auto takes it. `hardware` exists
+for control (a decoder that never falls back to the SMs silently) and for builds of
+torchvision without that path. An image the engines refuse is decoded by nvJPEG, then by PIL.
 
 Resampling is separable and batched: per image and axis a (size x length) weight matrix with
 PIL's kernels (bilinear/bicubic with antialiasing support scaling, nearest), so a whole chunk of
@@ -582,19 +582,18 @@ def pair_by_size(needs, capacities):
 
 
 def settle_jpeg_decoder(wanted, device):
-    """(decoder name, why) for --jpeg-decoder: hardware where one can be made, else cuda (auto);
+    """(decoder name, why) for --jpeg-decoder: auto is cuda (torchvision's nvJPEG trained faster
+    than the hardware-only decoder in every same-run benchmark on an H200: docs/speed.md);
     hardware asked for and impossible is a UsageError naming what is missing."""
-    if wanted == "cuda":
-        return "cuda", "--jpeg-decoder"
+    if wanted != "hardware":
+        return "cuda", "--jpeg-decoder" if wanted == "cuda" else "auto: nvJPEG measured faster in training"
     try:
         HardwareJpeg(device)
     except RuntimeError as err:
-        if wanted == "hardware":
-            raise UsageError(f"--jpeg-decoder hardware: no hardware JPEG decoder here ({err}); it needs "
-                             f"nvImageCodec ({NVIMGCODEC_INSTALL}) and a GPU with JPEG engines (A100, "
-                             "H100, H200, ...); use --jpeg-decoder cuda") from None
-        return "cuda", f"auto: {err}"
-    return "hardware", "--jpeg-decoder" if wanted == "hardware" else "auto: nvImageCodec finds JPEG engines"
+        raise UsageError(f"--jpeg-decoder hardware: no hardware JPEG decoder here ({err}); it needs "
+                         f"nvImageCodec ({NVIMGCODEC_INSTALL}) and a GPU with JPEG engines (A100, "
+                         "H100, H200, ...); use --jpeg-decoder cuda") from None
+    return "hardware", "--jpeg-decoder"
 
 
 # ----------------------------------------------------------------------------- main-process side
