@@ -451,6 +451,87 @@ def test_a_decode_error_in_a_thread_reaches_the_training_loop(mixed_folder, thre
         next(iterator)
 
 
+def decode_threads():
+    import threading
+    return [thread for thread in threading.enumerate() if thread.name == "gpu-decode"]
+
+
+def counted_passes(mixed_folder):
+    """GpuBatches (2 threads, as on CUDA) over a real DataLoader with the training sampler, and a
+    list its decoder appends to at every batch it decodes."""
+    from utils.batches import ShardedEpochSampler
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    sampler = ShardedEpochSampler(len(dataset), 3, 0, 1, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=3, sampler=sampler, collate_fn=pack_bytes)
+    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of=dataset.name)
+    decoded = []
+    stage = decoder.decode_stage
+
+    def counting_stage(packed):
+        decoded.append(packed.indices.tolist())
+        return stage(packed)
+
+    decoder.decode_stage = counting_stage
+    return GpuBatches(loader, decoder, threads=2), sampler, decoded
+
+
+def one_pass_inline(mixed_folder, epoch):
+    batches, sampler, _ = counted_passes(mixed_folder)
+    sampler.set_epoch(epoch)
+    return list(GpuBatches(batches.loader, batches.decoder, threads=0))
+
+
+def test_a_started_epoch_decodes_before_it_is_asked_for_and_equals_a_fresh_one(mixed_folder):
+    """Data.start_epoch (train.py calls it before validating) sets the sampler and starts the
+    gpu backend's threads on that epoch: its first batch is decoded before the training loop's
+    iter(), the loop gets that same pipeline (each batch decoded once), and the batches equal an
+    epoch not started early."""
+    import time
+
+    from utils.batches import Data
+    batches, sampler, decoded = counted_passes(mixed_folder)
+    data = Data(batches, None, 2, 0, sampler)
+    data.start_epoch(1)
+    assert (sampler.epoch, sampler.skip) == (1, 0)
+    deadline = time.monotonic() + 300  # waits for the thread; no claim on how fast it is
+    while not decoded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decoded, "nothing was decoded before the loop asked"
+    got = list(batches)
+    expected = one_pass_inline(mixed_folder, 1)
+    assert len(got) == len(expected) == len(decoded) > 1
+    for (images, targets), (want_images, want_targets) in zip(got, expected):
+        assert torch.equal(images, want_images) and torch.equal(targets, want_targets)
+    other_epoch = one_pass_inline(mixed_folder, 2)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(other_epoch, expected))  # epochs do differ
+
+
+def test_a_started_pass_for_another_epoch_is_stopped_not_used(mixed_folder):
+    """If the sampler is set to another epoch after start(), iter() stops the started threads and
+    gives that other epoch's batches; close() stops a started pass no iter() took, and dropping
+    an iterator mid-pass stops its threads."""
+    before = len(decode_threads())
+    batches, sampler, _ = counted_passes(mixed_folder)
+    sampler.set_epoch(1)
+    batches.start()
+    assert len(decode_threads()) == before + 2
+    sampler.set_epoch(2)
+    got = list(batches)
+    expected = one_pass_inline(mixed_folder, 2)
+    assert len(got) == len(expected) > 1
+    for (images, targets), (want_images, want_targets) in zip(got, expected):
+        assert torch.equal(images, want_images) and torch.equal(targets, want_targets)
+    assert len(decode_threads()) == before
+    batches.start()
+    assert len(decode_threads()) == before + 2
+    batches.close()
+    assert len(decode_threads()) == before
+    iterator = iter(batches)
+    next(iterator)
+    del iterator
+    assert len(decode_threads()) == before
+
+
 # ----------------------------------------------------------------------------- on the GPU
 
 @pytest.fixture(params=["cuda", "hardware"])
