@@ -10,7 +10,6 @@ end: SIGTERM/SIGINT (a mid-epoch checkpoint, one line saying how to resume, exit
 divergence (one line naming the step, the LR and the last good checkpoint, exit 3). Details
 live in utils/.
 """
-import contextlib
 import os
 import sys
 
@@ -121,9 +120,7 @@ def main(argv=None):
         return stop.exit_code
 
     stop = StopOnSignal(announce=accelerator.is_main_process)  # SIGTERM/SIGINT: finish the step first
-    # closing(data): a run that ends early (stop signal, divergence) stops the threads already
-    # making the next epoch's batches (Data.start_epoch) before the interpreter goes down.
-    with stop.installed(), contextlib.closing(data):
+    with stop.installed():
         for epoch, first_step in training_epochs(args, data, accelerator):
             trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, train_criterion,
                                       phases, log, progress, first_step, stop,
@@ -137,8 +134,6 @@ def main(argv=None):
                 if phases.finished:
                     break
                 continue  # the window lies in a later epoch (NvtxWindow counts steps across epochs)
-            if epoch + 1 < args.epochs:  # the next epoch's first batches are made during validation
-                data.start_epoch(epoch + 1)
             result = validate(model, data, precision, accelerator, args, criterion, log, progress)
             if precision.ema is not None:  # after the model's line, which Apex's log readers expect first
                 ema_result = validate(precision.ema.module, data, precision, accelerator, args, criterion,

@@ -184,22 +184,6 @@ class Data:
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch, first_step)
 
-    def start_epoch(self, epoch):
-        """Set the train sampler to `epoch`'s first step and let the train loader start on it now
-        where it can (the gpu backend's threads: GpuBatches.start), so that epoch's first batches
-        are made while this one validates. The batches are the same either way: every crop and
-        flip is a function of (seed, epoch, index)."""
-        self.set_epoch(epoch)
-        start = getattr(self.train, "start", None)
-        if start is not None:
-            start()
-
-    def close(self):
-        """Stop what start_epoch started (a run that ends before that epoch)."""
-        close = getattr(self.train, "close", None)
-        if close is not None:
-            close()
-
 
 def _loader(dataset, sampler, args, device, collate_fn=fast_collate, pin_memory=True):
     workers = args.workers

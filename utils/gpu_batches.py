@@ -758,8 +758,6 @@ class GpuBatches:
     out of the queue. An error in a thread (a corrupt file: UsageError) is raised again in the
     training loop. threads: 2 as above, 1 for one thread doing both halves, 0 for none (all in
     the caller's); default 2 on CUDA, 0 on the CPU (tools/decode_overlap.py compares them).
-    start() builds the next pass's threads before its iter(): the next epoch's first batches are
-    made while the current one validates.
     """
 
     AHEAD = 2
@@ -767,73 +765,29 @@ class GpuBatches:
     def __init__(self, loader, decoder, threads=None):
         self.loader, self.decoder = loader, decoder
         self.threads = (2 if decoder.cuda else 0) if threads is None else threads
-        self._started = None  # (pass, pipeline) built by start() for the next iter()
 
     def __len__(self):
         return len(self.loader)
 
-    def start(self):
-        """Build the next pass's pipeline now, so its threads decode its first batches while the
-        caller does other work; the next iter() hands it over. train.py calls it before validating,
-        for the next epoch: otherwise every epoch starts with the GPU waiting while the first batch
-        is read, decoded and resampled (~0.1 s on an H200, 3 % of an 80-step epoch). Without
-        threads there is nothing to run ahead."""
-        self.close()
-        if self.threads:
-            self._started = (self._pass(), self._pipeline())
-
-    def close(self):
-        """Stop a pipeline start() built and no iter() took."""
-        started, self._started = self._started, None
-        if started is not None:
-            started[1].close()
-
-    def _pass(self):
-        """What the loader's next pass depends on: its sampler's epoch and first sample, where the
-        sampler has them (ShardedEpochSampler)."""
-        sampler = getattr(self.loader, "sampler", None)
-        return getattr(sampler, "epoch", None), getattr(sampler, "skip", None)
-
     def __iter__(self):
-        started, self._started = self._started, None
-        if started is not None:
-            built_for, pipeline = started
-            if built_for == self._pass():
-                return pipeline
-            pipeline.close()  # the sampler was set to another pass since
-        return self._pipeline()
-
-    def _pipeline(self):
         if self.threads == 0:
             return (self.decoder(packed) for packed in self.loader)
         if self.threads == 1:
-            return _Ahead(self.loader, self.decoder, self.AHEAD)
-        decoded = _Ahead(self.loader, self.decoder.decode_stage, 1)
-        return _Ahead(decoded, lambda staged: self.decoder.resample(*staged), self.AHEAD)
+            return _ahead(self.loader, self.decoder, self.AHEAD)
+        decoded = _ahead(self.loader, self.decoder.decode_stage, 1)
+        return _ahead(decoded, lambda staged: self.decoder.resample(*staged), self.AHEAD)
 
 
-class _Ahead:
-    """decode(item) for the loader's items, computed in a thread `depth` items ahead. The thread
-    starts at once, not at the first next(): GpuBatches.start builds an epoch's pipeline before
-    the training loop asks for its first batch. close() (also when the iterator is dropped, as a
-    generator's cleanup would) stops the thread and, through its loader's close, the stages
-    before it."""
+def _ahead(loader, decode, depth):
+    """Iterate decode(item) for the loader's items, computed in a thread depth items ahead."""
+    import queue
+    import threading
 
-    _DONE = object()
+    done = object()
+    results = queue.Queue(maxsize=depth)
+    stop = threading.Event()
 
-    def __init__(self, loader, decode, depth):
-        import queue
-        import threading
-        self.results = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        # The thread gets the queue and the flag, not self: holding self would keep a dropped
-        # iterator alive, and its thread with it.
-        self.thread = threading.Thread(target=_Ahead._work, args=(loader, decode, self.results, self.stop),
-                                       name="gpu-decode", daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def _work(loader, decode, results, stop):
+    def work():
         try:
             for item in loader:
                 if stop.is_set():
@@ -844,34 +798,24 @@ class _Ahead:
             return
         finally:
             close = getattr(loader, "close", None)
-            if close is not None:  # an _Ahead stage before this one: stop its thread here
+            if close is not None:  # an _ahead stage before this one: stop its thread here
                 close()
-        results.put((_Ahead._DONE, None))
+        results.put((done, None))
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.stop.is_set():
-            raise StopIteration
-        value, err = self.results.get()
-        if err is not None:
-            self.close()
-            raise err
-        if value is _Ahead._DONE:
-            self.close()
-            raise StopIteration
-        return value
-
-    def close(self):
-        import queue
-        self.stop.set()
-        while self.thread.is_alive():  # let the worker see the flag, emptying what it still puts
+    thread = threading.Thread(target=work, name="gpu-decode", daemon=True)
+    thread.start()
+    try:
+        while True:
+            value, err = results.get()
+            if err is not None:
+                raise err
+            if value is done:
+                return
+            yield value
+    finally:
+        stop.set()
+        while thread.is_alive():  # let the worker see the flag, emptying what it still puts
             try:
-                self.results.get(timeout=0.1)
+                results.get(timeout=0.1)
             except queue.Empty:
                 pass
-
-    def __del__(self):
-        if hasattr(self, "thread"):
-            self.close()
