@@ -610,8 +610,9 @@ def test_hardware_decoder_reuses_retired_images_and_gives_the_same_pixels(mixed_
 
 @pytest.mark.gpu
 def test_jpeg_decoder_is_settled_on_cuda():
-    """auto: cuda, with the reason; cuda asked for is kept; hardware where nvImageCodec finds JPEG
-    engines, else a usage error naming what is missing."""
+    """auto: cuda, with the reason, and under --deterministic hardware where nvImageCodec finds
+    JPEG engines; cuda asked for is kept; hardware asked for without nvImageCodec is a usage error
+    naming what is missing."""
     from utils.gpu_batches import settle_jpeg_decoder
     assert settle_jpeg_decoder("auto", "cuda") == ("cuda", "auto: nvJPEG measured faster in training")
     assert settle_jpeg_decoder("cuda", "cuda") == ("cuda", "--jpeg-decoder")
@@ -620,8 +621,11 @@ def test_jpeg_decoder_is_settled_on_cuda():
     except ImportError:
         with pytest.raises(UsageError, match="nvImageCodec is not installed"):
             settle_jpeg_decoder("hardware", "cuda")
+        assert settle_jpeg_decoder("auto", "cuda", deterministic=True)[0] == "cuda"
     else:
         assert settle_jpeg_decoder("hardware", "cuda") == ("hardware", "--jpeg-decoder")
+        name, why = settle_jpeg_decoder("auto", "cuda", deterministic=True)
+        assert name == "hardware" and why.startswith("auto: --deterministic")
 
 
 def test_phase_timing_leaves_the_threaded_loader_alone(mixed_folder):

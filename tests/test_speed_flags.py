@@ -39,6 +39,20 @@ def test_auto_picks_nvjpeg_and_says_why():
     assert "jpeg decoder cuda, auto: nvJPEG measured faster in training" in args.input_line
 
 
+def test_deterministic_runs_are_told_what_nvjpeg_does_not_promise():
+    """Under --deterministic auto prefers the hardware decoder; without one (no nvImageCodec here)
+    it stays on nvJPEG and the start-up line says why and what that means; nvJPEG asked for with
+    --deterministic says the same."""
+    explicit = resolved("cuda", jpeg_decoder="cuda", deterministic=True)
+    assert explicit.jpeg_decoder == "cuda"
+    assert "--jpeg-decoder (--deterministic: nvJPEG's runs did not always repeat bit for bit" in explicit.input_line
+    if not nvimgcodec_installed():
+        auto = resolved("cuda", deterministic=True)
+        assert auto.jpeg_decoder == "cuda"
+        assert ("auto: no hardware decoder (nvImageCodec is not installed" in auto.input_line
+                and "so nvJPEG even with --deterministic" in auto.input_line)
+
+
 @pytest.mark.skipif(nvimgcodec_installed(), reason="checks the message when nvImageCodec is absent")
 def test_hardware_decoder_without_nvimgcodec_is_a_usage_error():
     with pytest.raises(RuntimeError, match="not installed"):

@@ -195,7 +195,7 @@ def add_data_args(parser, training=True):
                             "JPEG engines for baseline files where the GPU has them); hardware = "
                             "nvImageCodec on the JPEG engines only (A100/H100/H200; pip install "
                             "nvidia-nvimgcodec-cu13 nvidia-nvjpeg); auto: cuda, which trained faster on an "
-                            "H200 (default: auto)")
+                            "H200; with --deterministic hardware where it can be made (default: auto)")
     group.add_argument("-j", "--workers", type=non_negative_int, default=None, metavar="N",
                        help="data loading worker processes per process (default: 4; 2 for digits; "
                             "never more than the CPU cores available)")

@@ -17,7 +17,8 @@ decode_jpeg(list, device="cuda"), and `hardware`, nvImageCodec with its hardware
 reach the JPEG engines that A100/H100/H200-class GPUs carry beside the SMs: torchvision creates
 nvJPEG with its hardware backend where the GPU has one and sends the baseline files of a batch
 there (the rest through nvJPEG's hybrid path). In training on an H200 `cuda` was the faster
-of the two in every same-run benchmark (docs/speed.md), so auto takes it. `hardware` exists
+of the two in every same-run benchmark (docs/speed.md), so auto takes it, except under
+--deterministic (settle_jpeg_decoder). `hardware` exists
 for control (a decoder that never falls back to the SMs silently) and for builds of
 torchvision without that path. An image the engines refuse is decoded by nvJPEG, then by PIL.
 
@@ -581,19 +582,29 @@ def pair_by_size(needs, capacities):
     return [k if k is not None else next(left) for k in chosen]
 
 
-def settle_jpeg_decoder(wanted, device):
-    """(decoder name, why) for --jpeg-decoder: auto is cuda (torchvision's nvJPEG trained faster
-    than the hardware-only decoder in every same-run benchmark on an H200: docs/speed.md);
-    hardware asked for and impossible is a UsageError naming what is missing."""
-    if wanted != "hardware":
-        return "cuda", "--jpeg-decoder" if wanted == "cuda" else "auto: nvJPEG measured faster in training"
+# Why auto leaves nvJPEG under --deterministic, shown on the start-up line (docs/speed.md).
+NVJPEG_REPEATS = ("nvJPEG's runs did not always repeat bit for bit on an H200 while other processes "
+                  "decoded on it; the hardware decoder's did")
+
+
+def settle_jpeg_decoder(wanted, device, deterministic=False):
+    """(decoder name, why) for --jpeg-decoder. auto is cuda, torchvision's nvJPEG, which trained
+    faster than the hardware-only decoder in every same-run benchmark on an H200 (docs/speed.md);
+    under --deterministic it is hardware where one can be made (NVJPEG_REPEATS). hardware asked
+    for and impossible is a UsageError naming what is missing."""
+    if wanted == "cuda":
+        return "cuda", "--jpeg-decoder" + (f" (--deterministic: {NVJPEG_REPEATS})" if deterministic else "")
+    if wanted == "auto" and not deterministic:
+        return "cuda", "auto: nvJPEG measured faster in training"
     try:
         HardwareJpeg(device)
     except RuntimeError as err:
-        raise UsageError(f"--jpeg-decoder hardware: no hardware JPEG decoder here ({err}); it needs "
-                         f"nvImageCodec ({NVIMGCODEC_INSTALL}) and a GPU with JPEG engines (A100, "
-                         "H100, H200, ...); use --jpeg-decoder cuda") from None
-    return "hardware", "--jpeg-decoder"
+        if wanted == "hardware":
+            raise UsageError(f"--jpeg-decoder hardware: no hardware JPEG decoder here ({err}); it needs "
+                             f"nvImageCodec ({NVIMGCODEC_INSTALL}) and a GPU with JPEG engines (A100, "
+                             "H100, H200, ...); use --jpeg-decoder cuda") from None
+        return "cuda", f"auto: no hardware decoder ({err}), so nvJPEG even with --deterministic ({NVJPEG_REPEATS})"
+    return "hardware", "--jpeg-decoder" if wanted == "hardware" else f"auto: --deterministic ({NVJPEG_REPEATS})"
 
 
 # ----------------------------------------------------------------------------- main-process side

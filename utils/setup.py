@@ -342,7 +342,7 @@ def resolve_device_defaults(args, device_type):
                          f"{'no input pipeline' if backend == 'none' else 'the cpu backend'}; drop the flag")
     if backend == "gpu":
         from .gpu_batches import settle_jpeg_decoder
-        args.jpeg_decoder, decoder_why = settle_jpeg_decoder(decoder, "cuda")
+        args.jpeg_decoder, decoder_why = settle_jpeg_decoder(decoder, "cuda", getattr(args, "deterministic", False))
         engines = "hardware JPEG engines" if args.jpeg_decoder == "hardware" else "nvJPEG"
         decode = (f"{engines} batch decode + crops on the GPU; jpeg decoder {args.jpeg_decoder}, {decoder_why}"
                   + narrow_queues_caveat())
