@@ -71,7 +71,10 @@ def test_train_py_fp16_on_gpu(cache_dir, tmp_path, level):
 
 
 def test_deterministic_gpu_runs_repeat_and_resume_exactly(cache_dir, tmp_path):
-    common = ["--deterministic", "--opt-level", "O2", "--data-backend", "gpu", *QUICK]  # nvJPEG input
+    # The gpu backend's default decoder under --deterministic: the hardware one where nvImageCodec
+    # is installed, else nvJPEG (whose runs did not always repeat while other processes decoded on
+    # the same GPU: docs/speed.md).
+    common = ["--deterministic", "--opt-level", "O2", "--data-backend", "gpu", *QUICK]
     runs = [run_script("train.py", "--epochs", "2", "--output-dir", tmp_path / str(i), *common) for i in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr

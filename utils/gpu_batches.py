@@ -18,9 +18,9 @@ reach the JPEG engines that A100/H100/H200-class GPUs carry beside the SMs: torc
 nvJPEG with its hardware backend where the GPU has one and sends the baseline files of a batch
 there (the rest through nvJPEG's hybrid path). In training on an H200 `cuda` was the faster
 of the two in every same-run benchmark (docs/speed.md), so auto takes it, except under
---deterministic (settle_jpeg_decoder). `hardware` exists
-for control (a decoder that never falls back to the SMs silently) and for builds of
-torchvision without that path. An image the engines refuse is decoded by nvJPEG, then by PIL.
+--deterministic (settle_jpeg_decoder). `hardware` exists for control (a decoder that never
+falls back to the SMs silently) and for builds of torchvision without that path. An image the
+engines refuse is decoded by nvJPEG, then by PIL.
 
 Resampling is separable and batched: per image and axis a (size x length) weight matrix with
 PIL's kernels (bilinear/bicubic with antialiasing support scaling, nearest), so a whole chunk of
