@@ -24,7 +24,7 @@ CPU = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
 # The model the checkpoint below holds. Not resnet18: it is evaluated in bf16 and fp16, and
 # resnet18's half-precision convolutions crawl on a CPU without AVX-512 (conftest.py). timm's
 # test_efficientnet has BatchNorm (so O2/O3 and --keep-batchnorm-fp32 change it) and, after 40
-# steps, scores ~50% with image-dependent predictions: 4 steps of a small model leave near-uniform
+# steps, scores 40-50% (CPUs differ) with image-dependent predictions: 4 steps of a small model leave near-uniform
 # logits, which every precision would reproduce whatever its rounding did to the features.
 ARCH = "timm/test_efficientnet"
 
@@ -84,7 +84,12 @@ def test_every_opt_level_scores_close_to_fp32(trained, evaluate, fp32_result, fl
     result = evaluate("--resume", trained[0] / "checkpoint.pth.tar", "-j", "0", "-b", "64", *flags)
     assert result.count == reference.count == DIGITS_VAL
     assert abs(result.top1 - reference.top1) <= 1.5, (result.top1, reference.top1)  # a few near-ties flip
-    assert abs(result.loss - reference.loss) <= 0.03, (result.loss, reference.loss)
+    # The loss moves with the half type's rounding, in proportion to the logits (and so to the
+    # loss): measured on a CPU with native bf16, fp16 moved it 0.06 %, O1 bf16 0.6 %, O3 bf16 with
+    # BatchNorm in bf16 1.2 % (bf16 keeps 8 significand bits, fp16 11). A wrong cast moves it far more.
+    dtype = next((name for name in ("bf16", "fp16") if name in flags), "fp32")
+    allowed = {"fp32": 1e-6, "fp16": 0.005, "bf16": 0.025}[dtype] * reference.loss
+    assert abs(result.loss - reference.loss) <= allowed, (result.loss, reference.loss, dtype)
 
 
 def test_results_files_and_overrides(trained, evaluate, tmp_path):
