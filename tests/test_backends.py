@@ -33,7 +33,7 @@ def test_both_backends_draw_the_same_box_for_every_sample(tiny_folder):
             flips.add(cpu_box[4])
     assert flips == {True, False}  # the flip is drawn, not fixed
     image, _ = cpu[(0, 0)]
-    assert image.size == (24, 24)
+    assert image.shape == (24, 24, 3) and image.dtype == torch.uint8  # rows x columns x RGB, as collated
 
 
 def resolved(device_type, **flags):

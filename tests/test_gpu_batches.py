@@ -11,10 +11,12 @@ from PIL import Image
 from torchvision import transforms
 
 from conftest import run_command
-from utils.crops import CenterBoxes, PilTrainCrop, TrainBoxes, center_box, train_box
+from utils.crops import CenterBoxes, CpuTrainCrop, TrainBoxes, center_box, train_box
 from utils.errors import UsageError
-from utils.gpu_batches import (GPU, ByteSamples, GpuBatchDecoder, GpuBatches, Packed, _canvas, jpeg_route, pack_bytes,
-                               pil_rgb, reference_crop, resample_batch, unpack)
+from utils.gpu_batches import (ByteSamples, GpuBatchDecoder, GpuBatches, Packed, _canvas, pack_bytes, reference_crop,
+                               resample_batch, unpack)
+from utils.batches import rgb_loader
+from utils.image_files import GPU, jpeg_route, pil_rgb, rgb_pixels
 
 SIZE = 64
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -95,9 +97,17 @@ def test_center_box_matches_resize_then_center_crop():
     assert (top, left) == pytest.approx((16 * 375 / 256, 58 * 500 / 341)) and flip is False
 
 
-def test_pil_crop_and_tensor_path_use_the_same_boxes():
+def pil_crop(image, box, size, interpolation="bilinear"):
+    """torchvision's resized_crop + hflip on a PIL image: the pixels both backends stay close to."""
+    top, left, height, width, flip = box
+    mode = transforms.InterpolationMode(interpolation)
+    out = transforms.functional.resized_crop(image, top, left, height, width, [size, size], interpolation=mode)
+    return torch.from_numpy(np.array(transforms.functional.hflip(out) if flip else out)).permute(2, 0, 1).float()
+
+
+def test_cpu_crop_and_tensor_path_use_the_same_boxes():
     image = photo(160, 120)
-    crop = PilTrainCrop(SIZE, 0.08, 0.5)
+    crop = CpuTrainCrop(SIZE, 0.08, 0.5)
     boxes = TrainBoxes(seed=3, min_scale=0.08, hflip=0.5)
     for index in range(20):
         assert crop.box(image, 3, 5, index) == boxes(160, 120, 5, index)
@@ -107,19 +117,37 @@ def test_tensor_path_pixels_match_the_pil_path():
     """Same boxes, same kernels: the batched resample is within rounding of PIL (whose two passes
     each round to uint8). Tolerance: mean abs diff < 0.5, max 1 level for bilinear."""
     images = [photo(160, 120, seed=s) for s in range(3)] + [photo(97, 131, seed=5)]
-    crop = PilTrainCrop(SIZE, 0.08, 0.5)
+    crop = CpuTrainCrop(SIZE, 0.08, 0.5)
     boxes = [crop.box(image, 0, 1, index) for index, image in enumerate(images)]
     pictures = [torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]
     shapes = torch.tensor([(image.height, image.width) for image in images])
     out = resample_batch(pictures, torch.tensor(boxes, dtype=torch.float64), shapes, SIZE)
     assert any(box[4] for box in boxes) and not all(box[4] for box in boxes)  # both flip states
     for k, image in enumerate(images):
-        expected = torch.from_numpy(np.array(crop(image, 0, 1, k))).permute(2, 0, 1).float()
+        expected = pil_crop(image, boxes[k], SIZE)
         diff = (out[k] - expected).abs()
         assert diff.mean() < 0.5 and diff.max() <= 1, (k, diff.mean(), diff.max())
         # the per-image torchvision path it stands in for agrees too
         reference = reference_crop(pictures[k], boxes[k], SIZE).float()
         assert (out[k] - reference).abs().mean() < 0.5
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
+def test_cpu_crop_pixels_match_pil(interpolation):
+    """The cpu backend's crop resizes with torch's uint8 kernels (nearest: PIL's own): within one
+    level of PIL's resized_crop for bilinear, bicubic's clipped overshoot apart, equal for nearest;
+    downscaled, upscaled and flipped boxes alike."""
+    images = [photo(160, 120, seed=s) for s in range(4)] + [photo(97, 131, seed=5)]
+    crop = CpuTrainCrop(SIZE, 0.08, 0.5, interpolation)
+    boxes = [crop.box(image, 0, 2, index) for index, image in enumerate(images)]
+    assert any(box[4] for box in boxes) and not all(box[4] for box in boxes)  # both flip states
+    assert min(box[2] for box in boxes) < SIZE < max(box[2] for box in boxes)  # up- and downscaled
+    for k, image in enumerate(images):
+        out = crop(image, 0, 2, k)
+        assert out.shape == (SIZE, SIZE, 3) and out.dtype == torch.uint8
+        diff = (out.permute(2, 0, 1).float() - pil_crop(image, boxes[k], SIZE, interpolation)).abs()
+        limit = {"bilinear": 1, "bicubic": 8, "nearest": 0}[interpolation]
+        assert diff.mean() < 0.5 and diff.max() <= limit, (k, diff.mean(), diff.max())
 
 
 @pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
@@ -349,13 +377,12 @@ def decoded(mixed_folder, train=True, channels_last=False):
 
 
 def cpu_backend_pixels(path, train, index):
-    """What the cpu backend feeds the model: PIL decode, then PilTrainCrop / Resize+CenterCrop."""
+    """What the cpu backend feeds the model: PIL decode, then CpuTrainCrop / Resize+CenterCrop."""
     with Image.open(path) as image:
         image = image.convert("RGB")
     if train:
-        out = PilTrainCrop(SIZE, 0.08, 0.5)(image, 0, 1, index)
-    else:
-        out = transforms.Compose([transforms.Resize(int(SIZE / 0.875)), transforms.CenterCrop(SIZE)])(image)
+        return CpuTrainCrop(SIZE, 0.08, 0.5)(image, 0, 1, index).permute(2, 0, 1).float()
+    out = transforms.Compose([transforms.Resize(int(SIZE / 0.875)), transforms.CenterCrop(SIZE)])(image)
     return torch.from_numpy(np.array(out)).permute(2, 0, 1).float()
 
 
@@ -401,6 +428,27 @@ def garbled_scan(jpeg):
 def whole_image_sample(data, label, index):
     """A ByteSamples item for a 160x120 JPEG payload whose box is the whole image, unflipped."""
     return np.frombuffer(data, np.uint8), label, (0, 0, 120, 160, False), index, 120, 160, False
+
+
+@pytest.mark.parametrize("name,data,route", odd_files(), ids=[f[0] for f in odd_files()])
+def test_cpu_backend_pixels_equal_imagefolders_loader_for_every_kind_of_file(name, data, route, tmp_path):
+    """rgb_pixels (libjpeg-turbo through torchvision for plain JPEGs, PIL for the rest) gives the
+    pixels ImageFolder's PIL loader gives, to the level, and the same one-line error for a file
+    neither can read (a truncated file, a garbled scan behind a good header)."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    if route == "truncated":
+        with pytest.raises(UsageError, match=name):
+            rgb_pixels(path)
+        return
+    pixels = rgb_pixels(path)
+    assert pixels.dtype == torch.uint8 and pixels.shape[2] == 3
+    assert np.array_equal(pixels.numpy(), np.asarray(rgb_loader(path)))
+    garbled = tmp_path / f"garbled-{name}"
+    garbled.write_bytes(garbled_scan(data))
+    if jpeg_route(garbled.read_bytes()) == GPU:
+        with pytest.raises(UsageError, match=f"garbled-{name}"):
+            rgb_pixels(garbled)
 
 
 def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, tmp_path):

@@ -72,6 +72,7 @@ def test_each_sample_draws_the_same_torch_numbers_whatever_ran_before(tiny_folde
     draws = []
 
     def record(image):
+        assert isinstance(image, Image.Image) and image.mode == "RGB"  # the policies take PIL images
         draws.append(torch.rand(2))
         return image
 

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-from .crops import PilTrainCrop
+from .crops import CpuTrainCrop
 from .errors import UsageError
 from .preemption import ignore_stop_signals_in_worker
 from .recipe import augment_transform
@@ -42,7 +42,7 @@ def rgb_loader(path):
 def train_transform(image_size, min_scale, hflip, interpolation="bilinear"):
     """RandomResizedCrop + flip whose box and flip are drawn from (seed, epoch, index) by
     utils/crops.py, the same boxes the gpu backend crops. SeededSamples calls it with that key."""
-    return PilTrainCrop(image_size, min_scale, hflip, interpolation)
+    return CpuTrainCrop(image_size, min_scale, hflip, interpolation)
 
 
 def val_transform(image_size, crop_pct, interpolation="bilinear"):
@@ -58,7 +58,7 @@ class SeededSamples(torch.utils.data.Dataset):
     def __init__(self, dataset, seed, extra=None):
         self.dataset = dataset
         self.seed = seed
-        self.crop = dataset.transform  # a PilTrainCrop: it needs the key, so the dataset must not call it
+        self.crop = dataset.transform  # a CpuTrainCrop: it needs the key, so the dataset must not call it
         dataset.transform = None
         self.extra = extra  # --aa: a PIL policy after the crop and flip (utils.recipe.augment_transform)
 
@@ -71,8 +71,10 @@ class SeededSamples(torch.utils.data.Dataset):
         # (which also visits every accelerator backend) costs 0.3 ms a sample, as much as a resize.
         torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 10_000_019 + index) % (2 ** 63))
         image, label = self.dataset[index]
-        image = self.crop(image, self.seed, epoch, index)
-        return (self.extra(image) if self.extra is not None else image), label
+        image = self.crop(image, self.seed, epoch, index)  # a uint8 HWC tensor
+        if self.extra is not None:  # the policies take PIL images
+            image = self.extra(Image.fromarray(image.numpy()))
+        return image, label
 
 
 class ShardedEpochSampler(torch.utils.data.Sampler):
@@ -114,8 +116,8 @@ class ShardedEpochSampler(torch.utils.data.Sampler):
 
 
 def fast_collate(batch):
-    """Stack PIL images into one uint8 NHWC tensor; labels into int64. Each image is copied once,
-    straight into the batch (np.stack of arrays would copy every image twice)."""
+    """Stack images (PIL, or uint8 HWC tensors from CpuTrainCrop) into one uint8 NHWC tensor; labels
+    into int64. Each image is copied once, straight into the batch (np.stack would copy it twice)."""
     first = np.asarray(batch[0][0], dtype=np.uint8)
     images = torch.empty((len(batch), *first.shape), dtype=torch.uint8)
     pixels = images.numpy()

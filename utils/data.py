@@ -14,9 +14,11 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from .batches import (IMAGENET_MEAN, IMAGENET_STD, Data, rgb_loader, sharded_data, train_transform,
                       val_transform)
 from .cli import source_kind
+from .crops import CpuTrainCrop
 from .digits import ensure_digits
 from .errors import UsageError
 from .hf_data import build_hf_data, reject_dataset_flags
+from .image_files import rgb_pixels
 
 SYNTHETIC_STEPS = 100
 SYNTHETIC_VAL_STEPS = 10
@@ -145,9 +147,12 @@ class SafeImageFolder(tv_datasets.ImageFolder):
 
 
 def image_folder(path, split, transform):
+    """SafeImageFolder of path/split. The cpu backend's train crop (CpuTrainCrop) takes tensors
+    (rgb_pixels); torchvision's validation transforms take PIL images (rgb_loader)."""
     split_dir = os.path.join(path, split)
+    loader = rgb_pixels if isinstance(transform, CpuTrainCrop) else rgb_loader
     try:
-        return SafeImageFolder(split_dir, transform=transform, loader=rgb_loader)
+        return SafeImageFolder(split_dir, transform=transform, loader=loader)
     except (FileNotFoundError, RuntimeError) as err:
         raise UsageError(f"{split_dir!r} holds no images in class folders ({err}); the layout is "
                          f"DATA/{split}/<class>/*.jpg") from None

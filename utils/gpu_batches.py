@@ -45,15 +45,8 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
 from .errors import UsageError, first_line
+from .image_files import GPU, jpeg_header, pil_rgb, read_file
 
-GPU = "gpu"
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# SOF markers nvJPEG decodes (baseline and extended sequential Huffman), and why the rest go to PIL.
-SOF_GPU = (0xC0, 0xC1)
-SOF_OTHER = {0xC2: "progressive", 0xC6: "progressive", 0xC3: "lossless", 0xC7: "lossless",
-             0xC5: "hierarchical", 0xC9: "arithmetic", 0xCA: "arithmetic", 0xCB: "arithmetic",
-             0xCD: "arithmetic", 0xCE: "arithmetic", 0xCF: "arithmetic"}
-STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
 # Pixels a resampling chunk's canvas may hold (x3 channels, as uint8 and then fp16: 144 MiB). An
 # ImageNet batch of 256 takes about three chunks of a few dozen kernels each; a
 # smaller canvas keeps the decode stream's share of GPU memory down, and a few huge photos get
@@ -64,101 +57,7 @@ CANVAS_BUDGET = 2 ** 24
 SPARE_BYTES = 2 ** 20
 
 
-# ----------------------------------------------------------------------------- header routing
-
-def jpeg_header(data):
-    """(route, width, height) from the markers of an encoded image, without decoding it.
-
-    route is GPU for an 8-bit baseline/extended-Huffman JPEG with 3 components (YCbCr, chroma
-    sampled 1x1 against any luma factors) whose scan is followed by an EOI; otherwise the reason
-    the file goes to the CPU decoder. width/height are the frame's (0 where no frame was read).
-    """
-    if data[:8] == PNG_MAGIC:
-        return "png", 0, 0
-    if data[:2] != b"\xff\xd8":
-        return "not-jpeg", 0, 0
-    pos, n, frame, adobe = 2, len(data), None, None
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return "bad-marker", *_size(frame)
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte before a marker
-            pos += 1
-            continue
-        if marker in STANDALONE:
-            pos += 2
-            continue
-        if marker == 0xD9:  # EOI before any scan
-            return "truncated", *_size(frame)
-        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
-        if end > n or end < pos + 4:
-            return "truncated", *_size(frame)
-        if marker in SOF_GPU or marker in SOF_OTHER:
-            frame = (marker, data[pos + 4:end])
-        elif marker == 0xEE and data[pos + 4:pos + 9] == b"Adobe" and end - pos >= 16:
-            adobe = data[pos + 15]  # APP14 transform flag: 0 RGB/CMYK, 1 YCbCr, 2 YCCK
-        elif marker == 0xDA:
-            route = _frame_route(frame, adobe)
-            # FF D9 cannot occur inside entropy-coded data (0xFF is stuffed), so its absence
-            # after the scan header means the file was cut short.
-            if route == GPU and data.rfind(b"\xff\xd9") < end:
-                route = "truncated"
-            return route, *_size(frame)
-        pos = end
-    return "truncated", *_size(frame)
-
-
-def _size(frame):
-    if frame is None or len(frame[1]) < 6:
-        return 0, 0
-    segment = frame[1]
-    return int.from_bytes(segment[3:5], "big"), int.from_bytes(segment[1:3], "big")
-
-
-def _frame_route(frame, adobe):
-    if frame is None:
-        return "no-frame"
-    marker, segment = frame
-    if marker in SOF_OTHER:
-        return SOF_OTHER[marker]
-    if len(segment) < 6 or segment[0] != 8:
-        return "not-8-bit"
-    components = segment[5]
-    if components == 1:
-        return "grayscale"
-    if components == 4:
-        return "ycck" if adobe == 2 else "cmyk"
-    if components != 3 or len(segment) < 6 + 3 * components:
-        return f"{components}-components"
-    if adobe == 0:
-        return "adobe-rgb"  # 3 components stored as RGB, not YCbCr
-    if segment[6 + 4] != 0x11 or segment[6 + 7] != 0x11:
-        return "odd-sampling"
-    width, height = _size(frame)
-    return GPU if width and height else "no-size"
-
-
-def jpeg_route(data):
-    """GPU, or the reason (png, cmyk, grayscale, progressive, truncated, not-jpeg, ...) for PIL."""
-    return jpeg_header(data)[0]
-
-
 # ----------------------------------------------------------------------------- worker side
-
-def read_file(path):
-    with open(path, "rb") as handle:
-        return handle.read()
-
-
-def pil_rgb(data, name):
-    """Decode with PIL into an HWC uint8 RGB array, as the cpu backend's ImageFolder loader does;
-    an unreadable file is the same UsageError naming it."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return np.asarray(image.convert("RGB"))
-    except (OSError, ValueError, SyntaxError) as err:
-        raise UsageError(f"cannot read image {str(name)!r} ({err}); remove or replace that file") from None
-
 
 class ByteSamples(torch.utils.data.Dataset):
     """(where, label) samples -> (payload, label, box, index, height, width, raw) for pack_bytes.
