@@ -26,7 +26,7 @@ import sys
 import torch
 
 from utils.checkpoint import load_checkpoint, load_model_weights
-from utils.cli import (FlagSafeHelpFormatter, OneLineErrorParser, add_data_args, add_datasets_args,
+from utils.cli import (FlagSafeHelpFormatter, OneLineErrorParser, OnlyTyped, add_data_args, add_datasets_args,
                        add_precision_args, add_run_args, positive_int)
 from utils.compiled import compile_model
 from utils.data import build_data
@@ -106,16 +106,6 @@ def build_eval_parser():
     return parser
 
 
-class OnlyTyped(argparse.Namespace):
-    """A namespace that claims every public attribute, so argparse fills in no defaults: after a
-    parse it holds only what the command line set (and DATA as None, argparse's one exception)."""
-
-    def __getattr__(self, name):
-        if name.startswith("_"):  # argparse's own bookkeeping attributes
-            raise AttributeError(name)
-        return None
-
-
 def typed_flags(argv):
     """The first parse: answers --help and bad values; returns (dests the user typed, --resume)."""
     typed, unknown = build_eval_parser().parse_known_args(argv, namespace=OnlyTyped())
@@ -170,6 +160,8 @@ def parse_eval_args(argv):
     parser = build_eval_parser()
     parser.set_defaults(**defaults)
     args = parse_args(parser, argv)
+    if "opt_level" in given and "keep_batchnorm_fp32" not in given and args.opt_level != defaults["opt_level"]:
+        args.keep_batchnorm_fp32 = None  # the checkpoint's choice was for its own level; this one has its default
     check_against_checkpoint(args, given, checkpoint, defaults)
     inherit_half_dtype(args, checkpoint)
     return args, checkpoint

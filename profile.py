@@ -35,8 +35,8 @@ else:
     from utils.cli import (OPT_LEVELS, build_training_parser, non_negative_int, opt_level_type, positive_int,
                            str2bool)
     from utils.data import build_data
-    from utils.engine import train_one_epoch, training_epochs
-    from utils.errors import UsageError, exit_on_usage_error
+    from utils.engine import diverged_message, steps_per_epoch, train_one_epoch, training_epochs
+    from utils.errors import Diverged, UsageError, exit_on_usage_error
     from utils.profiling import (BenchmarkRow, PhaseProfiler, cuda_parts_skipped, format_benchmark_table,
                                  format_phase_table, time_data_wait, write_benchmark_csv)
     from utils.setup import build_or_resume, make_accelerator, parse_args, warn
@@ -101,7 +101,7 @@ def check_profile_args(args):
     if args.opt_level is not None:
         raise UsageError("--benchmark sweeps the opt levels itself; choose them with --benchmark-levels "
                          "instead of --opt-level")
-    if args.channels_last:
+    if args.channels_last is not None:
         raise UsageError("--benchmark sweeps channels_last itself; choose with --benchmark-channels-last "
                          "instead of --channels-last")
     if args.benchmark_csv:
@@ -134,8 +134,11 @@ def train_window(args, accelerator, recipe, phases, log):
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
     time_data_wait(data.train, phases)
     for epoch, first_step in training_epochs(args, data, accelerator):
-        train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases, log,
-                        first_step=first_step)
+        trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases,
+                                  log, first_step=first_step)
+        if trained.diverged:  # no window to report: exit 3 with the step, as train.py does
+            raise Diverged(diverged_message(trained.diverged, epoch, trained.step, steps_per_epoch(data, args),
+                                            trained.lr, args.resume or None))
         if phases.finished:
             break
     if accelerator.device.type == "cuda":

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from utils.checkpoint import CHECKPOINT, save_checkpoint
-from utils.cli import add_log_args, build_parser, source_kind
+from utils.cli import add_log_args, build_parser, idle_flag_notes, source_kind, typed_dests
 from utils.compiled import plain_module
 from utils.data import build_data
 from utils.engine import diverged_message, steps_per_epoch, train_one_epoch, training_epochs, validate
@@ -54,11 +54,13 @@ def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec
 
 
 def main(argv=None):
-    args = parse_args(add_log_args(build_parser(description=__doc__.splitlines()[0])), argv)
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
+    parser = add_log_args(build_parser(description=__doc__.splitlines()[0]))
+    args = parse_args(parser, argv)
     check_ingredient_flags(args)
     accelerator, recipe, notes = make_accelerator(args, **tracker_kwargs(args))
     prepare_output_dir(args, accelerator)  # created, writable, no other run's files: before any work
-    for note in notes:
+    for note in notes + idle_flag_notes(parser, args, typed_dests(parser, argv)):
         warn(accelerator, note)
     progress = Progress(accelerator)  # a bar on a terminal; log lines print above it
     log = progress.print

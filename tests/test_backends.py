@@ -73,7 +73,7 @@ def test_startup_line_and_compiled_training_with_plain_checkpoint_keys(tiny_fold
     result = run_script("train.py", tiny_folder, *QUICK, "--steps-per-epoch", "2", "--epochs", "1",
                         "--compile", "--output-dir", out)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "=> input: cpu backend (PIL decode + crops in workers), auto: no CUDA | channels_last off" in result.stdout
+    assert "=> input: cpu backend (decode + crops in workers), auto: no CUDA | channels_last off" in result.stdout
     assert "torch.compile (inductor): first forward, compile included, took" in result.stdout
     assert result.stdout.count("torch.compile (inductor): first forward") == 1  # printed once
     state = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)["state_dict"]

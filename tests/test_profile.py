@@ -234,6 +234,7 @@ def test_prof_is_on_by_default():
     (["--benchmark-csv", "x.csv"], "only applies with --benchmark"),
     (["--benchmark", "--opt-level", "O2"], "--benchmark-levels"),
     (["--benchmark", "--channels-last"], "--benchmark-channels-last"),
+    (["--benchmark", "--channels-last", "False"], "--benchmark-channels-last"),
     (["--benchmark", "--trace", "t.json"], "cannot be combined"),
     (["--trace", "/no/such/folder/t.json"], "does not exist"),
     (["--prof", "-1"], "argument --prof: expected an integer >= 0"),
@@ -250,6 +251,20 @@ def test_usage_errors_exit_2_with_one_line(cache_dir, capsys, argv, message):
     lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning:")]
     assert exited.value.code == 2 and len(lines) == 1, lines
     assert ": error: " in lines[0] and message in lines[0], lines[0]
+
+
+def test_a_diverging_run_exits_3_naming_the_step(cache_dir, capsys):
+    """--max-nonfinite-steps in profile.py: the run stops as train.py's does (exit 3, one line
+    naming the step), not with a window report of steps that never ran."""
+    capsys.readouterr()
+    argv = ["-a", "resnet18", "--image-size", "32", "-j", "0", "-p", "1", "-b", "8", "--steps-per-epoch", "6", "--epochs", "1", "--prof", "2", "--prof-steps", "2",
+            "--lr", "1e30", "--max-nonfinite-steps", "1"]
+    with pytest.raises(SystemExit) as exited:
+        exit_on_usage_error(lambda: load_profile_script().main(argv))
+    captured = capsys.readouterr()
+    assert exited.value.code == 3, captured.err[-2000:]
+    assert "training diverged at epoch" in captured.err and "Traceback" not in captured.err
+    assert "done" not in captured.out  # no "=> ran N steps; window steps ... done"
 
 
 def test_usage_error_end_to_end_exits_2_without_traceback(cache_dir):

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import QUICK, ROOT, run_script
+from conftest import HALF_QUICK, QUICK, ROOT, run_script
 from test_train import losses, one_error_line
 from utils.checkpoint import kept_checkpoints, save_checkpoint
 from utils.cli import add_log_args, build_parser
@@ -117,6 +117,47 @@ def test_resume_names_each_changed_flag(cache_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "=> --lr 0.2 (checkpoint: 0.1)" in out and "--epochs" not in out.replace("--epochs 2 (", "")
     assert args.batch_size == 16 and args.resume == os.path.join(str(tmp_path), "checkpoint.pth.tar")
+
+
+def test_resume_reads_back_what_the_run_resolved(tmp_path):
+    """A checkpoint's args hold what the run resolved: --compile as its backend name, the
+    --keep-batchnorm-fp32 chosen for its level, --pretrained. A resumed run compiles again; a
+    typed --opt-level of another level drops the keep-BN choice made for the old one (typed or
+    in a --config it stays); a typed --pretrained beside --resume is refused."""
+    state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
+             "args": {"compile": "inductor", "opt_level": "O2", "keep_batchnorm_fp32": False,
+                      "pretrained": True, "epochs": 1}}
+    save_checkpoint(state, False, tmp_path)
+    args = parse(["--resume", tmp_path, "--epochs", "2"])
+    assert args.compile is True and args.opt_level == "O2" and args.keep_batchnorm_fp32 is False
+    assert parse(["--resume", tmp_path, "--opt-level", "O2"]).keep_batchnorm_fp32 is False
+    assert parse(["--resume", tmp_path, "--opt-level", "O1"]).keep_batchnorm_fp32 is None
+    assert parse(["--resume", tmp_path, "--opt-level", "O3", "--keep-batchnorm-fp32", "True"]).keep_batchnorm_fp32
+    recipe = write(tmp_path / "r.yaml", "keep-batchnorm-fp32: true\n")
+    assert parse(["--resume", tmp_path, "--opt-level", "O3", "--config", recipe]).keep_batchnorm_fp32 is True
+    with pytest.raises(UsageError, match="--pretrained and --resume"):
+        parse(["--resume", tmp_path, "--pretrained"])
+
+
+def test_a_pretrained_run_resumes_without_its_weights_file_and_evaluates_at_another_level(cache_dir, tmp_path,
+                                                                                       monkeypatch):
+    """Resuming a --pretrained run needs no pretrained weights file (the checkpoint holds the
+    weights), and eval.py --opt-level O1 evaluates an O2 checkpoint that stored
+    --keep-batchnorm-fp32 False (an error at O1 had it been typed)."""
+    import eval as eval_script
+    import train
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no-weights-here"))
+    run = tmp_path / "run"
+    assert train.main([*HALF_QUICK, "--epochs", "1", "--opt-level", "O2", "--mixed-precision", "bf16",
+                       "--keep-batchnorm-fp32", "False", "--output-dir", str(run)]) is None
+    path = run / "checkpoint.pth.tar"
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["args"]["pretrained"] = True  # as a run started with --pretrained stores it
+    torch.save(checkpoint, path)
+    assert train.main(["--resume", str(run), "--epochs", "2"]) is None
+    assert torch.load(path, weights_only=False)["epoch"] == 2
+    result = eval_script.main(["--resume", str(path), "-j", "0", "--opt-level", "O1"])
+    assert result.count > 0 and 0 <= result.top1 <= 100
 
 
 def test_keep_checkpoints_keeps_the_last_n(tmp_path):

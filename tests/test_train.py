@@ -7,8 +7,9 @@ import torch
 
 from conftest import FINAL, HALF_QUICK, HALF_TINY, QUICK, make_image_folder, run_script
 from utils.checkpoint import save_checkpoint
-from utils.cli import build_parser
+from utils.cli import add_log_args, build_parser, idle_flag_notes, typed_dests
 from utils.errors import exit_on_usage_error
+from utils.setup import parse_args
 
 APEX_LINE = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\]\tTime [\d.]+ \([\d.]+\)\tSpeed [\d.]+ \([\d.]+\)\t"
                        r"Loss ([\d.]+) \([\d.]+\)\tPrec@1 ([\d.]+) \([\d.]+\)\tPrec@5 ([\d.]+) \([\d.]+\)")
@@ -189,6 +190,25 @@ def one_epoch(cache_dir, tmp_path_factory):
                         "--output-dir", out, *QUICK)
     assert result.returncode == 0, result.stderr
     return out, result
+
+
+def test_typed_flags_a_run_cannot_use_are_named():
+    """-e only evaluates and --prof stops after its window: flags typed for what they skip get one
+    warning naming them; flags they use, and ordinary runs, get none."""
+    parser = add_log_args(build_parser("train"))
+
+    def notes(*argv):
+        return idle_flag_notes(parser, parse_args(parser, list(argv)), typed_dests(parser, list(argv)))
+
+    assert notes("-e", "--resume", "missing.pth.tar", "--lr", "5", "--mixup", "0.2", "-b", "16",
+                 "--opt-level", "O2", "-j", "0") == [
+        "-e only evaluates: --lr, --mixup have no effect here (eval.py refuses them)"]
+    assert notes("-e", "--pretrained") == []
+    assert notes("-e", "-b", "16") == ["-e without --resume or --pretrained evaluates freshly initialised weights"]
+    assert notes("--prof", "0", "--model-ema", "--keep-checkpoints", "2", "--save-every-steps", "5") == [
+        "--prof stops after its window, before any validation, end-of-epoch checkpoint or epoch log: "
+        "--keep-checkpoints, --model-ema have no effect here"]
+    assert notes("--lr", "0.1", "--model-ema", "--keep-checkpoints", "2") == []
 
 
 def test_flags_with_no_effect_say_so(one_epoch, tiny_folder, tmp_path):

@@ -362,8 +362,8 @@ def add_log_args(parser):
     group.add_argument("--log-with", choices=("none", "tensorboard", "wandb", "all"), default="none",
                        help="also send per-epoch metrics to TensorBoard (OUTPUT_DIR/runs/), Weights & "
                             "Biases (set WANDB_MODE=offline to run without network), or both; "
-                            "args.yaml, summary.csv and curves.png are always written; -e writes "
-                            "none of these (default: none)")
+                            "args.yaml, summary.csv and curves.png are always written; -e and --prof "
+                            "write none of these (default: none)")
     group.add_argument("--overwrite", action="store_true",
                        help="replace the run files in --output-dir: a new run into a directory that "
                             "already holds a run's checkpoint.pth.tar, model_best.pth.tar, summary.csv, "
@@ -546,3 +546,52 @@ def load_config(parser, path):
         source[action.dest] = key
     return values
 
+
+class OnlyTyped(argparse.Namespace):
+    """A namespace that claims every public attribute, so argparse fills in no defaults: after a
+    parse it holds only what the command line set (and DATA as None, argparse's one exception)."""
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # argparse's own bookkeeping attributes
+            raise AttributeError(name)
+        return None
+
+
+def typed_dests(parser, argv):
+    """The dests of the flags argv sets (a value left at its default counts: it was typed)."""
+    typed, _ = parser.parse_known_args(argv, namespace=OnlyTyped())
+    return {dest for dest, value in vars(typed).items() if value is not None}
+
+
+def evaluation_dests():
+    """The flags a `train.py -e` evaluation reads: those eval.py shares with train.py, the model's,
+    and -e, --resume and --config themselves."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in (add_data_args, add_datasets_args, add_precision_args, add_run_args):
+        add(parser, training=False)
+    add_model_args(parser)
+    return {action.dest for action in parser._actions} | {"evaluate", "resume", "config"}
+
+
+# What a --prof run of train.py never reaches: it stops after its window, before validating,
+# saving at an epoch's end or logging the epoch.
+NOT_REACHED_BY_PROF = ("keep_checkpoints", "model_ema", "model_ema_best", "model_ema_decay", "log_with")
+
+
+def idle_flag_notes(parser, args, typed):
+    """Warnings for flags typed on the command line that this run of train.py will not use."""
+    names = {action.dest: flag_name(action) for action in parser._actions}
+    notes = []
+    if args.evaluate:
+        idle = sorted(names[dest] for dest in typed - evaluation_dests() if dest in names)
+        if idle:
+            notes.append(f"-e only evaluates: {', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no "
+                         "effect here (eval.py refuses them)")
+        if not args.resume and not args.pretrained:
+            notes.append("-e without --resume or --pretrained evaluates freshly initialised weights")
+    elif args.prof >= 0:
+        idle = sorted(names[dest] for dest in typed & set(NOT_REACHED_BY_PROF) if dest in names)
+        if idle:
+            notes.append(f"--prof stops after its window, before any validation, end-of-epoch checkpoint or "
+                         f"epoch log: {', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect here")
+    return notes

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from .checkpoint import BEST, CHECKPOINT, kept_checkpoints, load_checkpoint, load_model_weights
-from .cli import apply_source_defaults, source_kind
+from .cli import apply_source_defaults, source_kind, typed_dests
 from .compiled import compile_model, resolve_compile
 from .errors import UsageError, first_line
 from .files import TEMP_PREFIX, atomic_write
@@ -58,12 +58,20 @@ def parse_flags(parser, argv=None):
     if not hasattr(first, "config"):  # eval.py: its --resume is a file, it takes no recipe
         return first
     stored, lines = resume_flags(parser, first)
+    typed = typed_dests(parser, argv)
+    if first.resume and "pretrained" in typed:
+        raise UsageError("--pretrained and --resume both give the starting weights (the checkpoint's would replace "
+                         "the pretrained ones); drop --pretrained")
+    level_default = {"keep_batchnorm_fp32": parser.get_default("keep_batchnorm_fp32")}
     if stored:
         parser.set_defaults(**stored)
-    if first.config:
-        parser.set_defaults(**load_config(parser, first.config))
+    configured = load_config(parser, first.config) if first.config else {}
+    parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
+    inherited_keep_bn = "keep_batchnorm_fp32" in stored and "keep_batchnorm_fp32" not in typed | set(configured)
+    if inherited_keep_bn and "opt_level" in typed and args.opt_level != stored.get("opt_level"):
+        args.keep_batchnorm_fp32 = level_default["keep_batchnorm_fp32"]  # the stored choice was for another level
     if stored:
         if args.lr_schedule != "step" and args.lr_steps == stored.get("lr_steps"):
             args.lr_steps = None  # a resolved step schedule's milestones mean nothing to another schedule
@@ -118,6 +126,8 @@ def resume_flags(parser, args):
     stored = load_checkpoint(args.resume).get("args") or {}
     dests = {action.dest for action in parser._actions}
     flags = {dest: value for dest, value in stored.items() if dest in dests and dest not in NOT_RESUMED}
+    if flags.get("compile") not in (None, False, True):  # the backend the run resolved --compile to
+        flags["compile"] = True
     lines.append(f"=> --resume: {len(flags)} flags from {args.resume} (flags typed again win)")
     return flags, lines
 
@@ -347,7 +357,7 @@ def resolve_device_defaults(args, device_type):
         decode = (f"{engines} batch decode + crops on the GPU; jpeg decoder {args.jpeg_decoder}, {decoder_why}"
                   + narrow_queues_caveat())
     else:
-        decode = {"cpu": "PIL decode + crops in workers", "none": ""}[backend]
+        decode = {"cpu": "decode + crops in workers", "none": ""}[backend]
     args.input_line = (f"=> input: {backend} backend" + (f" ({decode})" if decode else "") +
                        f", {why} | {layout}" + (f" | torch.compile {args.compile}" if args.compile else ""))
 
@@ -375,7 +385,8 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
     """Model (weights from checkpoint if any, EMA too), precision recipe applied, the --opt
     optimizer, all prepared. Precision carries the step's ingredients: clip, skip, EMA."""
     torch.manual_seed(args.seed)
-    model = build_model(args.arch, num_classes, args.pretrained, getattr(args, "drop_path", 0.0))
+    pretrained = args.pretrained and checkpoint is None  # a resumed run's weights come from its checkpoint
+    model = build_model(args.arch, num_classes, pretrained, getattr(args, "drop_path", 0.0))
     if checkpoint is not None:
         load_model_weights(model, checkpoint["state_dict"], args.arch, args.resume)
     if want_sync_bn(args, accelerator):
