@@ -33,12 +33,13 @@ else:
     import torch
 
     from utils.cli import (OPT_LEVELS, build_training_parser, non_negative_int, opt_level_type, positive_int,
-                           str2bool)
+                           str2bool, typed_dests)
     from utils.data import build_data
     from utils.engine import diverged_message, steps_per_epoch, train_one_epoch, training_epochs
     from utils.errors import Diverged, UsageError, exit_on_usage_error
     from utils.profiling import (BenchmarkRow, PhaseProfiler, cuda_parts_skipped, format_benchmark_table,
                                  format_phase_table, time_data_wait, write_benchmark_csv)
+    from utils.precision import resolve_recipe
     from utils.setup import build_or_resume, make_accelerator, parse_args, warn
 
 PROF_DEFAULT = 100  # warm-up steps before the window: past cudnn.benchmark's search and allocator growth
@@ -83,6 +84,18 @@ def build_profile_parser():
     return parser
 
 
+def idle_flag_notes(args, typed):
+    """Warnings for typed flags a train.py command line may carry that profile.py has no use for:
+    it never validates, and only --benchmark writes a file (its CSV, into --output-dir)."""
+    idle = ["--crop-pct"] if "crop_pct" in typed else []
+    if "output_dir" in typed and not args.benchmark:
+        idle.append("--output-dir")
+    if not idle:
+        return []
+    return [f"{', '.join(idle)}: profile.py runs no validation and, without --benchmark, writes no files; "
+            f"{'it has' if len(idle) == 1 else 'they have'} no effect here"]
+
+
 def check_profile_args(args):
     """profile.py's own flag rules, before anything is built."""
     if args.evaluate:
@@ -104,6 +117,11 @@ def check_profile_args(args):
     if args.channels_last is not None:
         raise UsageError("--benchmark sweeps channels_last itself; choose with --benchmark-channels-last "
                          "instead of --channels-last")
+    for level in args.benchmark_levels or OPT_LEVELS:  # refused now, not after the levels before it ran
+        try:
+            resolve_recipe(level, args.keep_batchnorm_fp32, args.loss_scale, args.mixed_precision, "--mixed-precision")
+        except UsageError as err:
+            raise UsageError(f"--benchmark sweeps {level} too (--benchmark-levels), and there {err}") from None
     if args.benchmark_csv:
         folder = os.path.dirname(os.path.abspath(args.benchmark_csv))
         if not os.path.isdir(folder):
@@ -234,8 +252,13 @@ def device_name(accelerator):
 
 
 def main(argv=None):
-    args = parse_args(build_profile_parser(), argv)
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
+    parser = build_profile_parser()
+    args = parse_args(parser, argv)
     check_profile_args(args)
+    if int(os.environ.get("RANK", 0)) == 0:
+        for note in idle_flag_notes(args, typed_dests(parser, argv)):
+            print(f"warning: {note}", file=sys.stderr, flush=True)
     if args.benchmark:
         run_benchmark(args)
     else:

@@ -235,6 +235,7 @@ def test_prof_is_on_by_default():
     (["--benchmark", "--opt-level", "O2"], "--benchmark-levels"),
     (["--benchmark", "--channels-last"], "--benchmark-channels-last"),
     (["--benchmark", "--channels-last", "False"], "--benchmark-channels-last"),
+    (["--benchmark", "--keep-batchnorm-fp32", "True"], "--benchmark sweeps O1 too (--benchmark-levels), and there"),
     (["--benchmark", "--trace", "t.json"], "cannot be combined"),
     (["--trace", "/no/such/folder/t.json"], "does not exist"),
     (["--prof", "-1"], "argument --prof: expected an integer >= 0"),
@@ -257,8 +258,8 @@ def test_a_diverging_run_exits_3_naming_the_step(cache_dir, capsys):
     """--max-nonfinite-steps in profile.py: the run stops as train.py's does (exit 3, one line
     naming the step), not with a window report of steps that never ran."""
     capsys.readouterr()
-    argv = ["-a", "resnet18", "--image-size", "32", "-j", "0", "-p", "1", "-b", "8", "--steps-per-epoch", "6", "--epochs", "1", "--prof", "2", "--prof-steps", "2",
-            "--lr", "1e30", "--max-nonfinite-steps", "1"]
+    argv = ["-a", "resnet18", "--image-size", "32", "-j", "0", "-p", "1", "-b", "8", "--steps-per-epoch", "6",
+            "--epochs", "1", "--prof", "2", "--prof-steps", "2", "--lr", "1e30", "--max-nonfinite-steps", "1"]
     with pytest.raises(SystemExit) as exited:
         exit_on_usage_error(lambda: load_profile_script().main(argv))
     captured = capsys.readouterr()
@@ -283,3 +284,19 @@ def test_the_stdlib_profile_module_still_imports_from_here():
             "cProfile.run('sum(range(10))')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_flags_profile_py_has_no_use_for_are_named():
+    script = load_profile_script()
+    parser = script.build_profile_parser()
+
+    def notes(*argv):
+        return script.idle_flag_notes(parser.parse_args(list(argv)), script.typed_dests(parser, list(argv)))
+
+    assert notes("--output-dir", "out", "--crop-pct", "0.5") == [
+        "--crop-pct, --output-dir: profile.py runs no validation and, without --benchmark, writes no files; "
+        "they have no effect here"]
+    assert notes("--benchmark", "--output-dir", "out") == []  # the CSV goes there
+    assert notes("--benchmark", "--crop-pct", "0.5")[0].startswith("--crop-pct: ")
+    assert notes("--prof", "5") == []
+

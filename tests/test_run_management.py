@@ -200,3 +200,18 @@ def test_digits_modern_recipe_reaches_95_percent(cache_dir, tmp_path):
     assert len(finals) == 16 and finals[-1] >= 95.0, result.stdout[-1500:]
     with open(tmp_path / "summary.csv") as handle:
         assert float(list(csv.DictReader(handle))[-1]["ema_top1"]) >= 90.0
+
+
+def test_synthetic_data_refuses_input_pipeline_flags(tmp_path):
+    """synthetic tensors skip decode, crop and workers: those flags are refused, by name; the
+    batch-level ingredients still apply; a synthetic run's stored values do not block its resume."""
+    with pytest.raises(UsageError, match=r"--hflip, -j/--workers, --aa: synthetic data is made on the device"):
+        parse(["synthetic", "--hflip", "0.3", "-j", "1", "--aa", "ta_wide"])
+    recipe = write(tmp_path / "r.yaml", "crop-pct: 0.9\n")
+    with pytest.raises(UsageError, match="--crop-pct: synthetic data"):
+        parse(["synthetic", "--config", recipe])
+    assert parse(["synthetic", "--mixup", "0.2", "--reprob", "0.25", "-j", "0"]).mixup == 0.2
+    state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
+             "args": {"data": "synthetic", "min_scale": 0.08, "hflip": 0.5, "crop_pct": 0.875, "epochs": 1}}
+    save_checkpoint(state, False, tmp_path)
+    assert parse(["--resume", tmp_path, "--epochs", "2"]).data == "synthetic"

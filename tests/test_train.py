@@ -209,6 +209,8 @@ def test_typed_flags_a_run_cannot_use_are_named():
         "--prof stops after its window, before any validation, end-of-epoch checkpoint or epoch log: "
         "--keep-checkpoints, --model-ema have no effect here"]
     assert notes("--lr", "0.1", "--model-ema", "--keep-checkpoints", "2") == []
+    assert notes("--resume", "missing.pth.tar", "--start-epoch", "1", "--epochs", "3") == [
+        "--start-epoch has no effect with --resume: the run continues where the checkpoint stopped"]
 
 
 def test_flags_with_no_effect_say_so(one_epoch, tiny_folder, tmp_path):

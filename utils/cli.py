@@ -312,8 +312,8 @@ def add_run_args(parser, training=True):
     group.add_argument("--sync_bn", "--sync-bn", dest="sync_bn", action="store_true",
                        help="SyncBatchNorm across processes (several CUDA processes only)")
     group.add_argument("--output-dir", default=".", metavar="DIR",
-                       help="where checkpoints and logs go; created if missing (default: the working "
-                            "directory)")
+                       help="where checkpoints and logs go (profile.py --benchmark: its CSV); created "
+                            "if missing (default: the working directory)")
     return group
 
 
@@ -582,6 +582,8 @@ def idle_flag_notes(parser, args, typed):
     """Warnings for flags typed on the command line that this run of train.py will not use."""
     names = {action.dest: flag_name(action) for action in parser._actions}
     notes = []
+    if args.resume and "start_epoch" in typed:
+        notes.append("--start-epoch has no effect with --resume: the run continues where the checkpoint stopped")
     if args.evaluate:
         idle = sorted(names[dest] for dest in typed - evaluation_dests() if dest in names)
         if idle:

@@ -69,6 +69,7 @@ def parse_flags(parser, argv=None):
     parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
+    reject_pipeline_flags(args, typed | set(configured))
     inherited_keep_bn = "keep_batchnorm_fp32" in stored and "keep_batchnorm_fp32" not in typed | set(configured)
     if inherited_keep_bn and "opt_level" in typed and args.opt_level != stored.get("opt_level"):
         args.keep_batchnorm_fp32 = level_default["keep_batchnorm_fp32"]  # the stored choice was for another level
@@ -84,6 +85,24 @@ def parse_flags(parser, argv=None):
         for line in lines:
             print(line, flush=True)
     return args
+
+
+# The input pipeline's flags (decode, crop, workers). Synthetic tensors are made on the device and
+# pass through none of it; the batch-level ingredients (--mixup, --reprob) still apply to them.
+PIPELINE_FLAGS = {"min_scale": "--min-scale", "hflip": "--hflip", "crop_pct": "--crop-pct",
+                  "interpolation": "--interpolation", "workers": "-j/--workers", "aa": "--aa"}
+
+
+def reject_pipeline_flags(args, asked):
+    """synthetic DATA with input-pipeline flags typed or in --config: a usage error naming them
+    (-j 0 says what is true and passes; a resumed synthetic run's stored values are not asked for)."""
+    if source_kind(args.data) != "synthetic":
+        return
+    asked = asked - ({"workers"} if args.workers == 0 else set())
+    given = [flag for dest, flag in PIPELINE_FLAGS.items() if dest in asked]
+    if given:
+        raise UsageError(f"{', '.join(given)}: synthetic data is made on the device, with no decode, crop or "
+                         f"loader workers; drop {'it' if len(given) == 1 else 'them'}")
 
 
 def _shown(value):
