@@ -32,11 +32,11 @@ from utils.compiled import compile_model
 from utils.data import build_data
 from utils.engine import validate
 from utils.errors import UsageError, exit_on_usage_error
-from utils.files import atomic_write
+from utils.files import atomic_write, output_file_problem
 from utils.logs import Progress
 from utils.models import REFUSED, build_model, torchvision_names
 from utils.precision import HALF_DTYPES, Precision
-from utils.setup import make_accelerator, parse_args, warn
+from utils.setup import RUN_FILES, make_accelerator, parse_args, warn
 
 # Training settings eval.py inherits from the checkpoint when the command line leaves them out.
 FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "interpolation", "mean", "std",
@@ -58,18 +58,26 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagSafeHelpFormatter)
     """The usage examples and the defaults note keep their lines; flag help wraps as elsewhere."""
 
 
+def writable_output(text):
+    """An output file name that can be written without harm (utils.files.output_file_problem)."""
+    problem = output_file_problem(text, RUN_FILES)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}; choose another file")
+    return text
+
+
 def results_path(text):
     """--results-file: the format follows the extension, checked before any work is done."""
     if os.path.splitext(text)[1].lower() not in RESULT_FORMATS:
         raise argparse.ArgumentTypeError(f"expected a file name ending in .json or .csv, got {text!r}")
-    return text
+    return writable_output(text)
 
 
 def predictions_path(text):
     """--predictions: a CSV file name, checked before any work is done."""
     if os.path.splitext(text)[1].lower() != ".csv":
         raise argparse.ArgumentTypeError(f"expected a file name ending in .csv, got {text!r}")
-    return text
+    return writable_output(text)
 
 
 def build_eval_parser():

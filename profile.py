@@ -40,7 +40,8 @@ else:
     from utils.profiling import (BenchmarkRow, PhaseProfiler, cuda_parts_skipped, format_benchmark_table,
                                  format_phase_table, time_data_wait, write_benchmark_csv)
     from utils.precision import resolve_recipe
-    from utils.setup import build_or_resume, make_accelerator, parse_args, warn
+    from utils.files import output_file_problem
+    from utils.setup import RUN_FILES, build_or_resume, make_accelerator, parse_args, warn
 
 PROF_DEFAULT = 100  # warm-up steps before the window: past cudnn.benchmark's search and allocator growth
 
@@ -104,6 +105,9 @@ def check_profile_args(args):
         folder = os.path.dirname(os.path.abspath(args.trace))
         if not os.path.isdir(folder):
             raise UsageError(f"--trace {args.trace!r}: folder {folder!r} does not exist; create it first")
+        problem = output_file_problem(args.trace, RUN_FILES)
+        if problem:
+            raise UsageError(f"--trace {args.trace!r}: {problem}; choose another file")
         if args.benchmark:
             raise UsageError("--trace traces one run; it cannot be combined with --benchmark")
     if not args.benchmark:
@@ -126,6 +130,10 @@ def check_profile_args(args):
         folder = os.path.dirname(os.path.abspath(args.benchmark_csv))
         if not os.path.isdir(folder):
             raise UsageError(f"--benchmark-csv {args.benchmark_csv!r}: folder {folder!r} does not exist")
+    csv_path = args.benchmark_csv or os.path.join(args.output_dir, "benchmark.csv")
+    problem = output_file_problem(csv_path, RUN_FILES)
+    if problem:
+        raise UsageError(f"--benchmark-csv {csv_path!r}: {problem}; choose another file")
 
 
 def check_enough_steps(args, data):

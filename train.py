@@ -25,7 +25,8 @@ from utils.logs import Progress, RunLog, tracker_kwargs
 from utils.preemption import StopOnSignal, stopped_line
 from utils.profiling import NoPhases, NvtxWindow
 from utils.recipe import build_batch_augment, build_criterion, check_ingredient_flags, ema_state_dict
-from utils.setup import build_or_resume, global_batch, make_accelerator, parse_args, prepare_output_dir, warn
+from utils.setup import (build_or_resume, global_batch, make_accelerator, parse_args, prepare_output_dir,
+                         remove_replaced_run, warn)
 
 
 def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
@@ -59,7 +60,7 @@ def main(argv=None):
     args = parse_args(parser, argv)
     check_ingredient_flags(args)
     accelerator, recipe, notes = make_accelerator(args, **tracker_kwargs(args))
-    prepare_output_dir(args, accelerator)  # created, writable, no other run's files: before any work
+    replaced = prepare_output_dir(args, accelerator)  # created, writable, no other run's files: before any work
     for note in notes + idle_flag_notes(parser, args, typed_dests(parser, argv)):
         warn(accelerator, note)
     progress = Progress(accelerator)  # a bar on a terminal; log lines print above it
@@ -87,6 +88,7 @@ def main(argv=None):
 
     resolved = {"opt_level": recipe.opt_level, "mixed_precision": recipe.dtype_name,  # what ran, for args.yaml
                 "num_classes": num_classes, "data": args.data or "digits"}
+    remove_replaced_run(args, accelerator, replaced)  # --overwrite: only now that everything was built
     run_log = RunLog(args, accelerator, resolved)  # args.yaml, summary.csv, curves.png, trackers per epoch
 
     phases = NvtxWindow(args.prof) if args.prof >= 0 else NoPhases()

@@ -171,6 +171,11 @@ def test_errors_exit_2_with_one_line(trained, evaluate, capsys, tmp_path):
     checkpoint = out / "checkpoint.pth.tar"
     for argv, needle in [(["--resume", tmp_path / "nothing.pth.tar"], "no checkpoint"),
                          (["--resume", checkpoint, "--results-file", "r.txt"], ".json or .csv"),
+                         # a training run's own files are never replaced, nor is a file a folder
+                         (["--resume", checkpoint, "--results-file", out / "summary.csv"], "a training run's file"),
+                         (["--resume", checkpoint, "--predictions", out / "summary.csv"], "a training run's file"),
+                         (["--resume", checkpoint, "--results-file", out / "args.yaml" / "r.json"],
+                          "is a file, not a folder"),
                          (["--resume", checkpoint, "--opt-level", "O4"], "unknown opt level"),
                          (["--resume", checkpoint, "--lr", "0.5"], "--lr: not eval.py flag"),
                          (["--resume", checkpoint, "a", "b"], "unrecognized arguments: b")]:

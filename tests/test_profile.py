@@ -238,6 +238,7 @@ def test_prof_is_on_by_default():
     (["--benchmark", "--keep-batchnorm-fp32", "True"], "--benchmark sweeps O1 too (--benchmark-levels), and there"),
     (["--benchmark", "--trace", "t.json"], "cannot be combined"),
     (["--trace", "/no/such/folder/t.json"], "does not exist"),
+    (["--trace", os.path.join(ROOT, "README.md", "t.json")], "does not exist"),
     (["--prof", "-1"], "argument --prof: expected an integer >= 0"),
     (["--prof-steps", "0"], "argument --prof-steps: expected a positive integer"),
     (["--benchmark-levels", "O4"], "unknown opt level 'O4'"),
@@ -300,3 +301,16 @@ def test_flags_profile_py_has_no_use_for_are_named():
     assert notes("--benchmark", "--crop-pct", "0.5")[0].startswith("--crop-pct: ")
     assert notes("--prof", "5") == []
 
+
+
+def test_a_trace_or_csv_never_replaces_a_training_runs_file(cache_dir, capsys, tmp_path):
+    (tmp_path / "checkpoint.pth.tar").write_bytes(b"weights")
+    (tmp_path / "summary.csv").write_text("epoch\n0\n")
+    for argv in (["--trace", tmp_path / "checkpoint.pth.tar"],
+                 ["--benchmark", "--benchmark-csv", tmp_path / "summary.csv"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            exit_on_usage_error(lambda: load_profile_script().main([str(arg) for arg in argv]))
+        assert exited.value.code == 2 and "a training run's file" in capsys.readouterr().err
+    assert (tmp_path / "checkpoint.pth.tar").read_bytes() == b"weights"
+    assert (tmp_path / "summary.csv").read_text() == "epoch\n0\n"

@@ -215,3 +215,22 @@ def test_synthetic_data_refuses_input_pipeline_flags(tmp_path):
              "args": {"data": "synthetic", "min_scale": 0.08, "hflip": 0.5, "crop_pct": 0.875, "epochs": 1}}
     save_checkpoint(state, False, tmp_path)
     assert parse(["--resume", tmp_path, "--epochs", "2"]).data == "synthetic"
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("output-dir: /tmp/elsewhere\n", ["'output-dir' names a run, not a recipe", "--output-dir on the command line"]),
+    ("resume: checkpoint.pth.tar\n", ["'resume' names a run, not a recipe", "--resume"]),
+])
+def test_config_refuses_keys_that_name_a_run(tmp_path, text, needles):
+    recipe = write(tmp_path / "r.yaml", text)
+    with pytest.raises(UsageError) as err:
+        parse(["--config", recipe])
+    assert all(needle in str(err.value) for needle in needles), str(err.value)
+
+
+def test_config_that_is_not_utf8_is_one_usage_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(b"lr: 0.1\nnote: caf\xe9\n")
+    with pytest.raises(UsageError, match="is not UTF-8 text"):
+        parse(["--config", recipe])
+

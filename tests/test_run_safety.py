@@ -97,7 +97,7 @@ def test_missing_output_dir_is_created_with_parents_and_evaluate_writes_nothing(
     # A training run creates it (parents too) at start-up: the start-epoch error comes after that.
     args = parse_args(add_log_args(build_parser("t")), ["--output-dir", str(out)])
     from utils.setup import settle_output_dir
-    assert settle_output_dir(args) == [] and out.is_dir() and os.listdir(out) == []
+    assert settle_output_dir(args) == ([], []) and out.is_dir() and os.listdir(out) == []
 
 
 # --- item 4: no silent overwrite ---------------------------------------------------------------------
@@ -116,6 +116,12 @@ def test_a_second_fresh_run_cannot_touch_the_first_and_overwrite_replaces_it(fir
     one_error_line(refused.returncode, refused.stderr, "already holds a run",
                    f"--resume {run / 'checkpoint.pth.tar'}", "--overwrite", "another --output-dir")
     assert snapshot(run) == before  # bytes and mtimes: nothing of the old run changed
+
+    # --overwrite with a mistake that only building the data, the model or the loss finds: nothing is removed.
+    for mistake in (["/no/such/data"], ["-a", "resnet1"], ["--label-smoothing", "1"]):
+        failed = run_script("train.py", "--epochs", "1", "--overwrite", "--output-dir", run, *QUICK, *mistake)
+        assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+        assert snapshot(run) == before, mistake
 
     replaced = run_script("train.py", "--epochs", "1", "--seed", "1", "--overwrite", "--output-dir", run, *QUICK)
     assert replaced.returncode == 0, replaced.stderr[-3000:]
@@ -157,6 +163,7 @@ def test_resume_into_another_runs_directory_and_overwrite_with_resume_refuse(usa
     (["--seed", str(SEED_MAX + 1)], ["--seed", f"0..{SEED_MAX}"]),
     (["--start-epoch", "12", "--epochs", "12"], ["--start-epoch 12", "nothing to train"]),
     (["-b", "0"], ["--batch-size", "positive"]),
+    ([os.path.join(ROOT, "README.md")], ["README.md' is a file, not a directory", "ImageFolder root"]),
 ])
 def test_senseless_flag_values_are_usage_errors(usage_error, tmp_path, argv, needles):
     usage_error([*argv, "--output-dir", tmp_path / "out", *TINY], *needles)

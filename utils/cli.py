@@ -461,6 +461,9 @@ def build_parser(description, prog=None):
 
 # Flags a recipe file may not set: --config itself, the per-process launcher flag and --help.
 NOT_IN_CONFIG = ("config", "local_rank", "help")
+# Keys a recipe file refuses by name: where a run lives and what it continues are the command
+# line's (--resume auto looks in --output-dir before any recipe is read).
+RUN_NOT_RECIPE = ("output_dir", "resume")
 
 
 def config_actions(parser):
@@ -522,10 +525,13 @@ def load_config(parser, path):
     from .errors import UsageError
 
     try:
-        with open(path) as handle:
+        with open(path, encoding="utf-8") as handle:
             data = yaml.safe_load(handle)
     except OSError as err:
         raise UsageError(f"--config {path!r}: cannot read it ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--config {path!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}); save it as UTF-8") from None
     except yaml.YAMLError as err:
         raise UsageError(f"--config {path!r} is not valid YAML ({' '.join(str(err).split())[:160]})") from None
     if data is None:
@@ -536,6 +542,9 @@ def load_config(parser, path):
     keys, values, source = config_actions(parser), {}, {}
     for key, value in data.items():
         action = keys.get(str(key))
+        if action is not None and action.dest in RUN_NOT_RECIPE:
+            raise UsageError(f"--config {path!r}: {key!r} names a run, not a recipe; give {flag_name(action)} on "
+                             "the command line")
         if action is None:
             raise UsageError(f"--config {path!r}: unknown key {key!r} (not a flag of {parser.prog}; keys are "
                              "flag names without dashes, e.g. lr or batch-size)")

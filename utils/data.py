@@ -28,7 +28,8 @@ SYNTHETIC_CLASSES = 1000
 def check_image_folder(path, splits=("train", "val")):
     """Clear messages for the usual ImageFolder layout mistakes. Evaluation needs val/ only."""
     if not os.path.isdir(path):
-        raise UsageError(f"data directory {path!r} does not exist; give an ImageFolder root holding "
+        what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+        raise UsageError(f"data directory {path!r} {what}; give an ImageFolder root holding "
                          "train/ and val/, or leave DATA out for the digits demo")
     for split in splits:
         split_dir = os.path.join(path, split)

@@ -32,6 +32,24 @@ def atomic_write_csv(path, rows, fieldnames, lineterminator="\r\n"):
     return atomic_write(path, text.getvalue())
 
 
+def output_file_problem(path, protected=()):
+    """Why path cannot take a new output file, or None: it is a folder, a folder on its way is a
+    file, or it is an existing checkpoint (*.pth.tar) or one of the protected names (a training
+    run's summary.csv, args.yaml, ...), which a report or trace must not silently replace."""
+    absolute = os.path.abspath(path)
+    if os.path.isdir(absolute):
+        return "it is a directory"
+    parent = os.path.dirname(absolute)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a folder"
+    name = os.path.basename(absolute)
+    if os.path.exists(absolute) and (name in protected or name.endswith(".pth.tar")):
+        return "it is a training run's file, which this would replace"
+    return None
+
+
 def atomic_write(path, content, fsync=False):
     """Write content to path atomically; content is bytes, str, or a callable(binary handle).
 

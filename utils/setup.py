@@ -189,13 +189,15 @@ def prepare_output_dir(args, accelerator):
     """Settle --output-dir before any data or model is built: create it, prove it writable, remove
     temp files a killed save left there, and refuse to replace another run's files. The main
     process checks; every process gets its verdict, so all of them stop with the same one-line
-    error (none is left waiting for the others). -e writes nothing, so nothing is checked."""
+    error (none is left waiting for the others). -e writes nothing, so nothing is checked.
+    Returns the previous run's files --overwrite replaces (main process; remove_replaced_run)."""
     if getattr(args, "evaluate", False):
-        return
-    problem = None
+        return []
+    problem, replaced = None, []
     if accelerator.is_main_process:
         try:
-            for line in settle_output_dir(args):
+            lines, replaced = settle_output_dir(args)
+            for line in lines:
                 print(line, flush=True)
         except UsageError as err:
             problem = str(err)
@@ -204,10 +206,25 @@ def prepare_output_dir(args, accelerator):
         problem = broadcast_object_list([problem], from_process=0)[0]
     if problem:
         raise UsageError(problem)
+    return replaced
+
+
+def remove_replaced_run(args, accelerator, replaced):
+    """--overwrite's removal of the previous run's files, by the main process, once the new run has
+    built its data and model and passed its checks: a mistyped command line (DATA, -a, a flag's
+    value) stops before this and leaves the previous run as it was."""
+    if not accelerator.is_main_process or not replaced:
+        return
+    for name in replaced:
+        path = os.path.join(args.output_dir, name)
+        if os.path.lexists(path):
+            os.remove(path)
+    print(f"=> --overwrite: removed the previous run's {', '.join(replaced)} from {args.output_dir}", flush=True)
 
 
 def settle_output_dir(args):
-    """The main process's part of prepare_output_dir; returns the lines to print."""
+    """The main process's part of prepare_output_dir; returns (lines to print, the previous run's
+    files that --overwrite replaces, removed later by remove_replaced_run)."""
     out = args.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--output-dir {out!r} is a file, not a directory; give a directory (created "
@@ -230,13 +247,13 @@ def settle_output_dir(args):
     resume = getattr(args, "resume", "")
     overwrite = getattr(args, "overwrite", False)
     if resume and not os.path.isfile(resume):
-        return lines  # load_checkpoint names the missing file next, before anything is written
+        return lines, []  # load_checkpoint names the missing file next, before anything is written
     continuing = bool(resume) and os.path.samefile(os.path.dirname(os.path.abspath(resume)), out)
     if continuing and overwrite:
         raise UsageError(f"--overwrite would remove the run in {out!r} that --resume {resume} continues; "
                          "drop --overwrite to continue it, or drop --resume to start over")
     if not found or continuing:
-        return lines
+        return lines, []
     if not overwrite:
         listed = ", ".join(found)
         if resume:
@@ -246,10 +263,9 @@ def settle_output_dir(args):
         how = (f"continue it with --resume {os.path.join(out, CHECKPOINT)}, " if CHECKPOINT in found else "")
         raise UsageError(f"--output-dir {out!r} already holds a run ({listed}); {how}start over with "
                          "--overwrite (removes those files), or choose another --output-dir")
-    for name in found:
-        os.remove(os.path.join(out, name))
-    lines.append(f"=> --overwrite: removed the previous run's {', '.join(found)} from {out}")
-    return lines
+    lines.append(f"=> --overwrite: the previous run's {', '.join(found)} in {out} will be removed once this run "
+                 "has built its data and model")
+    return lines, found
 
 
 def remove_stale_temp_files(out):
