@@ -34,7 +34,7 @@ from utils.engine import validate
 from utils.errors import UsageError, exit_on_usage_error
 from utils.files import atomic_write, output_file_problem
 from utils.logs import Progress
-from utils.models import REFUSED, build_model, torchvision_names
+from utils.models import REFUSED, build_model, check_input_size, torchvision_names
 from utils.precision import HALF_DTYPES, Precision
 from utils.setup import RUN_FILES, make_accelerator, parse_args, warn
 
@@ -266,6 +266,7 @@ def build_eval_model(args, accelerator, recipe, checkpoint):
     else:
         model = build_model(args.arch, args.num_classes)
         load_model_weights(model, checkpoint["state_dict"], args.arch, args.resume)
+    check_input_size(model, args.arch, args.image_size)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(accelerator.device, memory_format=memory_format)
     precision = Precision(recipe, model, accelerator.device.type)

@@ -158,3 +158,18 @@ def test_checkpoint_weights_load_into_models_that_check_module_versions(arch):
     load_model_weights(target, saved, arch, "checkpoint.pth.tar")
     for key, value in target.state_dict().items():
         assert torch.equal(value, source.state_dict()[key]), key
+
+
+def test_fixed_size_models_refuse_another_image_size_before_any_step():
+    """ViT-style models fail at their first forward on another size; refused up front instead,
+    naming the size they take. Models of any size (ResNets) pass whatever the size."""
+    from utils.models import check_input_size, fixed_input_size
+    tiny_vit = build_model("timm/vit_tiny_patch16_224", 10)
+    assert fixed_input_size(tiny_vit) == 224
+    check_input_size(tiny_vit, "timm/vit_tiny_patch16_224", 224)
+    with pytest.raises(UsageError, match=r"takes 224x224 images only .* not --image-size 32; pass --image-size 224"):
+        check_input_size(tiny_vit, "timm/vit_tiny_patch16_224", 32)
+    assert fixed_input_size(build_model("vit_b_16", 10)) == 224  # torchvision's VisionTransformer
+    resnet = build_model("resnet18", 10)
+    assert fixed_input_size(resnet) is None
+    check_input_size(resnet, "resnet18", 32)

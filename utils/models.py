@@ -162,6 +162,29 @@ def build_model(arch, num_classes, pretrained=False, drop_path=0.0):
         raise
 
 
+def fixed_input_size(model):
+    """The one square image size a model takes (ViT-style: position embeddings fix it), or None.
+    torchvision's VisionTransformer keeps it in .image_size; timm marks such models'
+    pretrained_cfg with fixed_input_size."""
+    size = getattr(model, "image_size", None)
+    if isinstance(size, int):
+        return size
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    input_size = cfg.get("input_size") or ()
+    if cfg.get("fixed_input_size") and len(input_size) == 3 and input_size[1] == input_size[2]:
+        return int(input_size[1])
+    return None
+
+
+def check_input_size(model, arch, image_size):
+    """Refuse, before any step runs, an --image-size a fixed-size model would fail on at its first
+    forward (an assertion deep inside the model)."""
+    size = fixed_input_size(model)
+    if size is not None and size != image_size:
+        raise UsageError(f"-a {arch} takes {size}x{size} images only (its position embeddings fix the size), "
+                         f"not --image-size {image_size}; pass --image-size {size}")
+
+
 def timm_data_config(arch, model=None):
     """timm's resolved data config (input_size, mean, std, crop_pct, interpolation, ...) or None.
 

@@ -12,7 +12,7 @@ from .cli import apply_source_defaults, source_kind, typed_dests
 from .compiled import compile_model, resolve_compile
 from .errors import UsageError, first_line
 from .files import TEMP_PREFIX, atomic_write
-from .models import build_model, has_2d_convolutions, model_data_config
+from .models import build_model, check_input_size, has_2d_convolutions, model_data_config
 from .precision import Precision, cpu_fp16_note, requested_mixed_precision, resolve_recipe
 from .recipe import build_ema, build_optimizer
 
@@ -422,6 +422,7 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
     torch.manual_seed(args.seed)
     pretrained = args.pretrained and checkpoint is None  # a resumed run's weights come from its checkpoint
     model = build_model(args.arch, num_classes, pretrained, getattr(args, "drop_path", 0.0))
+    check_input_size(model, args.arch, args.image_size)
     if checkpoint is not None:
         load_model_weights(model, checkpoint["state_dict"], args.arch, args.resume)
     if want_sync_bn(args, accelerator):
