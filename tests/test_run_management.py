@@ -234,3 +234,16 @@ def test_config_that_is_not_utf8_is_one_usage_error(tmp_path):
     with pytest.raises(UsageError, match="is not UTF-8 text"):
         parse(["--config", recipe])
 
+
+def test_resuming_an_older_checkpoint_in_its_run_says_the_newer_one_will_be_replaced(tmp_path):
+    from utils.setup import settle_output_dir
+    for epoch in (1, 2):  # checkpoint.pth.tar ends at epoch 2, the kept epoch-1 copy is older
+        save_checkpoint({"epoch": epoch, "step": 0, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
+                         "args": {"epochs": 3}}, False, tmp_path, keep=2)
+    older = tmp_path / "checkpoint-epoch001.pth.tar"
+    os.utime(older, (1, 1))  # written in the same second as the newer one on a fast disk
+    lines, replaced = settle_output_dir(parse(["--resume", older, "--output-dir", tmp_path]))
+    assert replaced == [] and any("checkpoint.pth.tar beside it is newer" in line for line in lines), lines
+    lines, _ = settle_output_dir(parse(["--resume", tmp_path / "checkpoint.pth.tar", "--output-dir", tmp_path]))
+    assert not any("newer" in line for line in lines)
+

@@ -252,6 +252,12 @@ def settle_output_dir(args):
     if continuing and overwrite:
         raise UsageError(f"--overwrite would remove the run in {out!r} that --resume {resume} continues; "
                          "drop --overwrite to continue it, or drop --resume to start over")
+    if continuing:
+        newest = os.path.join(out, CHECKPOINT)
+        if (os.path.isfile(newest) and not os.path.samefile(newest, resume)
+                and os.path.getmtime(newest) > os.path.getmtime(resume)):
+            lines.append(f"=> --resume {os.path.basename(resume)}: the {CHECKPOINT} beside it is newer; this "
+                         f"run continues from the older file and its saves replace {CHECKPOINT}")
     if not found or continuing:
         return lines, []
     if not overwrite:
