@@ -30,7 +30,6 @@ image's crop region, so the padding never leaks in, and a flip is the horizontal
 import collections
 import contextlib
 import functools
-import io
 import math
 import os
 import sys
@@ -38,7 +37,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image
 from torch._utils import _flatten_dense_tensors
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
