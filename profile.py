@@ -97,6 +97,11 @@ def idle_flag_notes(args, typed):
             f"{'it has' if len(idle) == 1 else 'they have'} no effect here"]
 
 
+def benchmark_csv_path(args):
+    """Where --benchmark writes its rows: --benchmark-csv, else benchmark.csv in --output-dir."""
+    return args.benchmark_csv or os.path.join(args.output_dir, "benchmark.csv")
+
+
 def check_profile_args(args):
     """profile.py's own flag rules, before anything is built."""
     if args.evaluate:
@@ -130,7 +135,7 @@ def check_profile_args(args):
         folder = os.path.dirname(os.path.abspath(args.benchmark_csv))
         if not os.path.isdir(folder):
             raise UsageError(f"--benchmark-csv {args.benchmark_csv!r}: folder {folder!r} does not exist")
-    csv_path = args.benchmark_csv or os.path.join(args.output_dir, "benchmark.csv")
+    csv_path = benchmark_csv_path(args)
     problem = output_file_problem(csv_path, RUN_FILES)
     if problem:
         raise UsageError(f"--benchmark-csv {csv_path!r}: {problem}; choose another file")
@@ -211,7 +216,7 @@ def benchmark_configs(args):
 
 def run_benchmark(args):
     """One short profile per configuration, no NVTX; rows printed and rewritten as CSV as they come."""
-    csv_path = args.benchmark_csv or os.path.join(args.output_dir, "benchmark.csv")
+    csv_path = benchmark_csv_path(args)
     if not args.benchmark_csv:
         os.makedirs(args.output_dir, exist_ok=True)
     rows, seen_notes = [], set()

@@ -62,7 +62,7 @@ def parse_flags(parser, argv=None):
     if first.resume and "pretrained" in typed:
         raise UsageError("--pretrained and --resume both give the starting weights (the checkpoint's would replace "
                          "the pretrained ones); drop --pretrained")
-    level_default = {"keep_batchnorm_fp32": parser.get_default("keep_batchnorm_fp32")}
+    keep_bn_default = parser.get_default("keep_batchnorm_fp32")  # before the checkpoint's replaces it
     if stored:
         parser.set_defaults(**stored)
     configured = load_config(parser, first.config) if first.config else {}
@@ -72,7 +72,7 @@ def parse_flags(parser, argv=None):
     reject_pipeline_flags(args, typed | set(configured))
     inherited_keep_bn = "keep_batchnorm_fp32" in stored and "keep_batchnorm_fp32" not in typed | set(configured)
     if inherited_keep_bn and "opt_level" in typed and args.opt_level != stored.get("opt_level"):
-        args.keep_batchnorm_fp32 = level_default["keep_batchnorm_fp32"]  # the stored choice was for another level
+        args.keep_batchnorm_fp32 = keep_bn_default  # the stored choice was for another level
     if stored:
         if args.lr_schedule != "step" and args.lr_steps == stored.get("lr_steps"):
             args.lr_steps = None  # a resolved step schedule's milestones mean nothing to another schedule
