@@ -19,7 +19,8 @@ from utils.checkpoint import CHECKPOINT, save_checkpoint
 from utils.cli import add_log_args, build_parser, idle_flag_notes, source_kind, typed_dests
 from utils.compiled import plain_module
 from utils.data import build_data
-from utils.engine import diverged_message, steps_per_epoch, train_one_epoch, training_epochs, validate
+from utils.engine import (close_batches, diverged_message, steps_per_epoch, train_one_epoch, training_epochs,
+                          validate)
 from utils.errors import Diverged, exit_on_usage_error
 from utils.logs import Progress, RunLog, tracker_kwargs
 from utils.preemption import StopOnSignal, stopped_line
@@ -124,11 +125,13 @@ def main(argv=None):
         return stop.exit_code
 
     stop = StopOnSignal(announce=accelerator.is_main_process)  # SIGTERM/SIGINT: finish the step first
+    ahead = None  # the next epoch's batches, started before this epoch validates
     with stop.installed():
         for epoch, first_step in training_epochs(args, data, accelerator):
             trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, train_criterion,
                                       phases, log, progress, first_step, stop,
-                                      every_n_steps if args.save_every_steps else None, augment)
+                                      every_n_steps if args.save_every_steps else None, augment, ahead)
+            ahead = None
             if trained.diverged:
                 raise Diverged(diverged_message(trained.diverged, epoch, trained.step, steps, trained.lr,
                                                 last_good))
@@ -138,6 +141,9 @@ def main(argv=None):
                 if phases.finished:
                     break
                 continue  # the window lies in a later epoch (NvtxWindow counts steps across epochs)
+            # Loader workers (and the gpu backend's decode threads) fill the next epoch's first
+            # batches while this one validates, instead of after: the same batches, sooner.
+            ahead = data.start_epoch(epoch + 1) if epoch + 1 < args.epochs else None
             result = validate(model, data, precision, accelerator, args, criterion, log, progress)
             if precision.ema is not None:  # after the model's line, which Apex's log readers expect first
                 ema_result = validate(precision.ema.module, data, precision, accelerator, args, criterion,
@@ -148,6 +154,7 @@ def main(argv=None):
             path = save(epoch + 1, 0, is_best, lr=trained.lr)
             run_log.epoch(epoch, trained, result, optimizer, ema_result if precision.ema is not None else None)
             if epoch + 1 < args.epochs and stop.agreed(accelerator):  # a signal during validation or the save
+                close_batches(ahead)
                 return stopped(path, epoch + 1, 0)
     run_log.finish()
     accelerator.end_training()

@@ -16,6 +16,7 @@ from utils.batches import SeededSamples, train_transform
 from utils.crops import TrainBoxes
 from utils.data import image_folder
 from utils.gpu_batches import ByteSamples
+from utils.image_files import rgb_pixels
 from utils.setup import resolve_device_defaults
 
 
@@ -34,6 +35,41 @@ def test_both_backends_draw_the_same_box_for_every_sample(tiny_folder):
     assert flips == {True, False}  # the flip is drawn, not fixed
     image, _ = cpu[(0, 0)]
     assert image.shape == (24, 24, 3) and image.dtype == torch.uint8  # rows x columns x RGB, as collated
+
+
+def logged_rgb_pixels(log_path, path):
+    """The cpu backend's loader, noting each path it opens (in worker processes: into a file)."""
+    with open(log_path, "a") as log:
+        log.write(path + "\n")
+    return rgb_pixels(path)
+
+
+def test_starting_an_epoch_sets_the_workers_going_on_its_first_batches(tiny_folder, tmp_path):
+    """Data.start_epoch (train.py calls it before validating) has the loader workers reading
+    the epoch's first batch before any batch is asked for; the batches are that epoch's."""
+    import functools
+    import time
+    from types import SimpleNamespace
+    from utils.batches import sharded_data, val_transform
+    log_path = tmp_path / "opened.txt"
+    train_set = image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5))
+    train_set.loader = functools.partial(logged_rgb_pixels, str(log_path))
+    val_set = image_folder(tiny_folder, "val", val_transform(24, 0.875))
+    args = SimpleNamespace(aa="none", data_backend="cpu", batch_size=4, seed=3, workers=1, channels_last=False,
+                           image_size=24, interpolation="bilinear")
+    accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
+    data = sharded_data(train_set, val_set, 3, args, accel, (0.5,) * 3, (0.5,) * 3)
+    batches = data.start_epoch(2)
+    deadline = time.monotonic() + 120  # waits for the worker; no speed is asserted
+    while len(log_path.read_text().splitlines() if log_path.exists() else []) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = [index for index, _ in list(data.train_sampler)[:4]]
+    opened = log_path.read_text().splitlines()[:4] if log_path.exists() else []
+    assert opened == [train_set.samples[index][0] for index in first]  # before next(): epoch 2's first batch
+    images, targets = next(batches)
+    assert targets.tolist() == [train_set.samples[index][1] for index in first]
+    assert images.shape == (4, 3, 24, 24)
+    batches.close()
 
 
 def resolved(device_type, **flags):

@@ -487,6 +487,38 @@ def test_threaded_batches_equal_the_callers_own_in_order(mixed_folder, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_threads_start_decoding_at_iter_and_close_ends_them(mixed_folder, threads):
+    """iter() starts the decode threads (train.py starts the next epoch before validating), with
+    no batch asked for yet; close() of the iterator ends every stage's thread."""
+    import threading
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    packed = [pack_bytes([dataset[(index, 1)]]) for index in range(len(dataset))]
+    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of=dataset.name)
+    decoded = threading.Event()
+    taken = []
+
+    def loader():  # taken when a thread asks; the event once its first batch is decoded
+        for batch in packed:
+            taken.append(batch)
+            if len(taken) == 2:
+                decoded.set()
+            yield batch
+
+    before = set(threading.enumerate())
+    iterator = iter(GpuBatches(loader(), decoder, threads=threads))
+    assert decoded.wait(timeout=120), "no batch was taken before the first next()"
+    started = [t for t in threading.enumerate() if t not in before and t.name == "gpu-decode"]
+    assert len(started) == threads
+    images, _ = next(iterator)
+    assert images.shape == (1, 3, SIZE, SIZE)
+    iterator.close()
+    assert not any(t.is_alive() for t in started)
+    assert len(taken) < len(packed)  # stopped early: its queues hold at most 6 batches, the folder 9
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_a_decode_error_in_a_thread_reaches_the_training_loop(mixed_folder, threads):
     good = open(mixed_folder[0][0], "rb").read()
     batches = [pack_bytes([whole_image_sample(data, 0, index)])

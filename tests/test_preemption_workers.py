@@ -127,3 +127,32 @@ def test_workers_end_with_a_main_process_that_fails(leave, code, group_sigterm):
     assert "killed by signal" not in err and "exited unexpectedly" not in err, err[-3000:]
     assert leave != "crash" or "the main process failed" in err
     assert gone, "a loader worker outlived its main process"
+
+
+def test_sigterm_while_validating_with_the_next_epoch_started_resumes_as_uninterrupted(cache_dir, tiny_folder,
+                                                                                         tmp_path):
+    """train.py starts epoch 1's loading before epoch 0 validates. A SIGTERM to every process
+    then still saves the epoch's checkpoint, exits 143 and leaves no worker; resuming (epoch 1
+    loaded the ordinary way) ends with the weights of a run that was never stopped (whose epoch 1
+    was loaded early)."""
+    run = [*WORKER_RUN[:-1], "2", "--deterministic"]  # --epochs 2
+    straight = run_script("train.py", tiny_folder, *run, "--output-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    rc, out, err, pgid = train_then_signal_group(tmp_path / "split", r"Test: \[1/", signal.SIGTERM,
+                                                 tiny_folder, *run)
+    try:
+        assert rc == 143, err[-3000:]
+        no_traceback(err)
+        assert "=> stopped by SIGTERM: saved" in out and "at the start of epoch 1;" in out, out[-3000:]
+    finally:
+        gone = group_gone(pgid)
+        if not gone:
+            os.killpg(pgid, signal.SIGKILL)
+    assert gone, "a loader worker outlived the stopped run"
+    resumed = run_script("train.py", tiny_folder, *run, "--output-dir", tmp_path / "split",
+                         "--resume", tmp_path / "split" / "checkpoint.pth.tar")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = torch.load(tmp_path / "straight" / "checkpoint.pth.tar", weights_only=True)
+    b = torch.load(tmp_path / "split" / "checkpoint.pth.tar", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 2
+    assert all(torch.equal(a["state_dict"][key], value) for key, value in b["state_dict"].items())

@@ -154,13 +154,18 @@ class DevicePrefetcher:
         return images, targets
 
     def __iter__(self):
+        # iter(loader) now, not at the first batch: a DataLoader's workers start on it, so
+        # starting an epoch (Data.start_epoch) starts its decoding
+        return self._batches(iter(self.loader))
+
+    def _batches(self, loader):
         if not self.cuda:
-            for images, targets in self.loader:
+            for images, targets in loader:
                 yield self._to_device(images, targets)
             return
         stream = torch.cuda.Stream()
         pending = None
-        for images, targets in self.loader:
+        for images, targets in loader:
             with torch.cuda.stream(stream):
                 batch = self._to_device(images, targets)
             if pending is not None:
@@ -185,6 +190,13 @@ class Data:
     def set_epoch(self, epoch, first_step=0):
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch, first_step)
+
+    def start_epoch(self, epoch):
+        """The epoch's training batches from its first step, their loading already under way
+        (loader workers and the gpu backend's decode threads start here, not at the first batch
+        taken). close() them if they go unused."""
+        self.set_epoch(epoch)
+        return iter(self.train)
 
 
 def _loader(dataset, sampler, args, device, collate_fn=fast_collate, pin_memory=True):

@@ -169,9 +169,16 @@ class RunAhead:
             self.events.popleft().synchronize()
 
 
+def close_batches(batches):
+    """Stop what loads an iterator's batches (the gpu backend's threads); None is fine."""
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
+
+
 def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
                     phases=NoPhases(), log=print, progress=NoProgress(), first_step=0, stop=NoStop(),
-                    on_step=None, augment=None):
+                    on_step=None, augment=None, batches=None):
     """Train one epoch from first_step. Stops early, at a step every process agrees on, when
     stop.requested (returns next_step) or when the run diverged (returns diverged). on_step(epoch,
     next_step) runs after each step (train.py's --save-every-steps). augment: utils.recipe's
@@ -180,7 +187,10 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
 
     --accum-steps N: each step runs N micro-batches (forward + backward of loss / N, under
     micro_batch_context so DDP all-reduces only the last), then one Precision.step: one unscale,
-    one overflow check and skip, one clip, one loss-scale update, as for one batch of N x b."""
+    one overflow check and skip, one clip, one loss-scale update, as for one batch of N x b.
+
+    batches: the epoch's batches if already started (Data.start_epoch), else iter(data.train)
+    here; closed when the epoch ends, so no decode thread outlives it."""
     model.train()
     steps = steps_per_epoch(data, args)
     world = accelerator.num_processes
@@ -191,7 +201,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
     epoch_start = interval_start = time.perf_counter()
     interval_steps, time_avg_sum, time_avg_n = 0, 0.0, 0
     next_step, diverged, lr = None, None, None
-    batches = iter(data.train)
+    batches = iter(data.train) if batches is None else batches
     run_ahead = RunAhead(accelerator.device)
     progress.begin((steps - first_step) * global_batch, f"Epoch {epoch}")  # a bar on a terminal
     step = first_step - 1
@@ -254,6 +264,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
         if phases.end_step(step):
             break
     progress.end()
+    close_batches(batches)  # an epoch cut short (--steps-per-epoch, a stop) leaves them unfinished
     seconds = time.perf_counter() - epoch_start
     _, total = meter.read(accelerator)
     _, skipped, scale = _scale_fields(precision)

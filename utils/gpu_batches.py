@@ -32,7 +32,9 @@ import contextlib
 import functools
 import math
 import os
+import queue
 import sys
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -681,49 +683,69 @@ class GpuBatches:
         if self.threads == 0:
             return (self.decoder(packed) for packed in self.loader)
         if self.threads == 1:
-            return _ahead(self.loader, self.decoder, self.AHEAD)
-        decoded = _ahead(self.loader, self.decoder.decode_stage, 1)
-        return _ahead(decoded, lambda staged: self.decoder.resample(*staged), self.AHEAD)
+            return WorkAhead(self.loader, self.decoder, self.AHEAD)
+        decoded = WorkAhead(self.loader, self.decoder.decode_stage, 1)
+        return WorkAhead(decoded, lambda staged: self.decoder.resample(*staged), self.AHEAD)
 
 
-def _ahead(loader, decode, depth):
-    """Iterate decode(item) for the loader's items, computed in a thread depth items ahead."""
-    import queue
-    import threading
+class WorkAhead:
+    """decode(item) for the loader's items, computed in a thread up to depth items ahead. The
+    thread starts at construction, so creating one starts the work (train.py starts the next
+    epoch's batches before validating). close() stops the thread and waits for it; closing a
+    later stage closes the stage it reads from."""
 
-    done = object()
-    results = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+    _DONE = object()
 
-    def work():
-        try:
-            for item in loader:
-                if stop.is_set():
-                    return
-                results.put((decode(item), None))
-        except BaseException as err:  # handed to the consumer, raised there
-            results.put((None, err))
-            return
-        finally:
-            close = getattr(loader, "close", None)
-            if close is not None:  # an _ahead stage before this one: stop its thread here
-                close()
-        results.put((done, None))
+    def __init__(self, loader, decode, depth):
+        self._results = results = queue.Queue(maxsize=depth)
+        self._stop = stop = threading.Event()
+        done = self._DONE
 
-    thread = threading.Thread(target=work, name="gpu-decode", daemon=True)
-    thread.start()
-    try:
-        while True:
-            value, err = results.get()
-            if err is not None:
-                raise err
-            if value is done:
-                return
-            yield value
-    finally:
-        stop.set()
-        while thread.is_alive():  # let the worker see the flag, emptying what it still puts
+        def work():  # a closure, not a method: the thread must not keep self alive (__del__)
             try:
-                results.get(timeout=0.1)
+                for item in loader:
+                    if stop.is_set():
+                        return
+                    results.put((decode(item), None))
+            except BaseException as err:  # handed to the consumer, raised there
+                results.put((None, err))
+                return
+            finally:
+                close = getattr(loader, "close", None)
+                if close is not None:  # a WorkAhead stage before this one: stop its thread here
+                    close()
+            results.put((done, None))
+
+        self._thread = threading.Thread(target=work, name="gpu-decode", daemon=True)
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._stop.is_set():
+            raise StopIteration
+        value, err = self._results.get()
+        if err is not None:
+            self.close()
+            raise err
+        if value is self._DONE:
+            self.close()
+            raise StopIteration
+        return value
+
+    def close(self):
+        self._stop.set()
+        while self._thread.is_alive():  # let the worker see the flag, emptying what it still puts
+            try:
+                self._results.get(timeout=0.1)
             except queue.Empty:
                 pass
+
+    def __del__(self):  # dropped unfinished: let the thread see the flag and end, without waiting here
+        self._stop.set()
+        try:
+            while True:  # room for the put it may be blocked in
+                self._results.get_nowait()
+        except Exception:  # queue.Empty, or anything at interpreter exit
+            pass
