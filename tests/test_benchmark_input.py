@@ -1,11 +1,13 @@
 """tools/benchmark_input.py: which Speed figure it takes from a real train.py log, a whole run of
 the tool, and its refusals."""
 import csv
+import os
 import re
+import shutil
 
 import torch
 
-from conftest import QUICK, run_script
+from conftest import QUICK, ROOT, run_script
 from tools.benchmark_input import APEX_SPEED, PLAIN_NAME, epoch_average, medians, second_half_rate
 
 TOOL = "tools/benchmark_input.py"
@@ -51,7 +53,8 @@ def test_a_run_writes_a_row_per_configuration_and_round(tmp_path):
     out = tmp_path / "bench.csv"
     result = run_script(TOOL, tmp_path, "--backends", "synthetic", "--compile", "False", "--workers", "0",
                         "-a", "resnet18", "-b", "16", "--opt-level", "O0", "--steps-per-epoch", "4", "--epochs", "2",
-                        "--train-args", "--image-size 32 -p 1", "--out", out, "--timeout", "600", "--repeat", "2")
+                        "--train-args", "--image-size 32 -p 1", "--out", out, "--timeout", "600", "--repeat", "2",
+                        "--runs-dir", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     assert [(row["backend"], row["round"]) for row in rows] == [("none", "1"), ("synthetic", "1"),
@@ -92,3 +95,28 @@ def test_medians_group_runs_by_configuration_and_hold_them_to_the_plain_median()
 def test_no_rounds_is_a_usage_error(tmp_path):
     result = run_script(TOOL, tmp_path, "--repeat", "0")
     assert result.returncode == 2 and "--repeat 0" in result.stderr
+
+
+def test_other_code_runs_each_configuration_beside_this_copy(tmp_path):
+    """--other-code DIR: the same train.py configuration from another copy of the project, right
+    after this copy's in the round, as a row of its own named after the folder."""
+    other = tmp_path / "before"
+    other.mkdir()
+    for name in ("train.py", "utils"):
+        (shutil.copytree if name == "utils" else shutil.copy)(os.path.join(ROOT, name), other / name)
+    out = tmp_path / "bench.csv"
+    result = run_script(TOOL, tmp_path, "--backends", "synthetic", "--compile", "False", "--workers", "0",
+                        "-a", "resnet18", "-b", "16", "--opt-level", "O0", "--steps-per-epoch", "2", "--epochs", "1",
+                        "--train-args", "--image-size 32 -p 1", "--out", out, "--other-code", other,
+                        "--runs-dir", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [row["name"] for row in rows] == [PLAIN_NAME, "train.py", "train.py (before)"]
+    assert all(float(row["img_per_s"]) > 0 for row in rows[1:])
+    assert {path.name for path in tmp_path.glob("bench-*")} == {"bench-synthetic--0-False",
+                                                                  "bench-synthetic--0-False-before"}
+
+
+def test_other_code_without_train_py_is_a_usage_error(tmp_path):
+    result = run_script(TOOL, tmp_path, "--other-code", tmp_path)
+    assert result.returncode == 2 and "no train.py there" in result.stderr

@@ -27,6 +27,11 @@ the machine falls on every configuration alike; each run is a row (column round;
 against the same round's reference) and the tool ends with each configuration's median and range.
 One run of one configuration on one machine has differed by up to 11 % from the next on the H200
 (docs/results/h200_spare_pool.txt): compare configurations on medians, not single runs.
+--other-code DIR runs every train.py configuration a second time from another copy of this
+project (say the code before a change: git archive REV | tar -x -C DIR), right after this copy's
+run of it in every round; its rows are named "train.py (DIR's name)". An A/B of two versions of
+the code on one machine start, where two invocations on two starts would differ by more than the
+change.
 """
 import argparse
 import os
@@ -230,19 +235,23 @@ def planned_runs(args, cuda):
             for decoder, compile_ in [(d, c) for d in decoders for c in args.compile]:
                 if backend == "synthetic" and workers != args.workers[0]:
                     continue  # no workers to vary
-                out = os.path.join("/tmp", f"bench-{backend}-{decoder}-{workers}-{compile_}")
                 source = ["synthetic"] if backend == "synthetic" else [args.data, "-j", str(workers),
                                                                        "--data-backend", backend]
-                runs.append(Run("train", "train.py", backend, decoder, 0 if backend == "synthetic" else workers,
-                                compile_, [sys.executable, "train.py", *source, *common, *compile_flags(compile_),
-                                           *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]))
+                for code in [ROOT, *args.other_code]:
+                    name = "train.py" if code == ROOT else f"train.py ({os.path.basename(os.path.abspath(code))})"
+                    out = os.path.join(args.runs_dir, f"bench-{backend}-{decoder}-{workers}-{compile_}"
+                                               + ("" if code == ROOT else f"-{os.path.basename(os.path.abspath(code))}"))
+                    runs.append(Run("train", name, backend, decoder, 0 if backend == "synthetic" else workers,
+                                    compile_, [sys.executable, os.path.join(os.path.abspath(code), "train.py"),
+                                               *source, *common, *compile_flags(compile_),
+                                               *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]))
         if args.timm_train:
             runs.append(Run("timm", "timm train.py --amp --channels-last", "timm", "", workers, "False", [
                 sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val", "--model", args.arch,
                 "-b", str(args.batch_size), "-j", str(workers), "--amp", "--channels-last", "--color-jitter", "0",
                 "--train-interpolation", "bilinear", "--epochs", str(args.epochs), "--sched", "step",
-                "--warmup-epochs", "0", "--log-interval", "10", "--output", "/tmp/timm-bench", "--num-classes",
-                "1000"]))
+                "--warmup-epochs", "0", "--log-interval", "10", "--output", os.path.join(args.runs_dir, "timm-bench"),
+                "--num-classes", "1000"]))
     return runs
 
 
@@ -273,7 +282,19 @@ def main():
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds: every configuration this many times, "
                         "round by round, then each one's median (default: %(default)s)")
+    parser.add_argument("--runs-dir", default="/tmp", help="where each run's output folder goes "
+                        "(bench-BACKEND-DECODER-WORKERS-COMPILE; default: %(default)s)")
+    parser.add_argument("--other-code", nargs="+", default=[], metavar="DIR",
+                        help="other copies of this project whose train.py runs each configuration too, "
+                        "in the same rounds (an A/B of two versions on one machine start)")
     args = parser.parse_args()
+    for code in args.other_code:
+        if not os.path.isfile(os.path.join(code, "train.py")):
+            parser.error(f"--other-code {code!r}: no train.py there; give a copy of this project "
+                         "(e.g. git archive REV | tar -x -C DIR)")
+    names = [os.path.basename(os.path.abspath(code)) for code in args.other_code]
+    if len(set(names)) < len(names) or ROOT in map(os.path.abspath, args.other_code):
+        parser.error("--other-code: give folders with different names, none of them this copy (rows are named by folder)")
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: a run needs at least one epoch (2 or more leave start-up out)")
     if args.repeat < 1:
