@@ -353,3 +353,39 @@ def test_every_process_of_a_2_process_run_stops_at_the_refusal(first_run, tmp_pa
         _, stderr = process.communicate(timeout=TIMEOUT)
         one_error_line(process.returncode, stderr, "already holds a run", "--overwrite")
     assert snapshot(run) == before
+
+
+def test_only_temp_files_of_writers_that_are_gone_are_removed_and_only_by_the_owning_run(first_run, tmp_path):
+    """A refused start leaves every temp file alone (one may be a live run's save in progress);
+    a run that owns the directory removes those of dead writers and keeps a live writer's."""
+    import socket
+    out = copy_run(first_run, tmp_path / "run")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    names = {"live": f".tmp-{live.pid}@{host}~abc123-checkpoint.pth.tar",
+             "dead": f".tmp-{dead.pid}@{host}~def456-checkpoint.pth.tar",
+             "elsewhere": f".tmp-{live.pid}@another-host~ghi789-checkpoint.pth.tar"}
+    try:
+        for name in names.values():
+            (out / name).write_bytes(b"part of a checkpoint")
+        refused = run_train("--output-dir", out, "--epochs", "1", *QUICK)
+        assert refused.returncode == 2 and "already holds a run" in refused.stderr
+        assert all((out / name).exists() for name in names.values())
+        resumed = run_train("--resume", out / "checkpoint.pth.tar", "--output-dir", out, "--epochs", "2", *QUICK)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "removed 1 temp file(s)" in resumed.stdout
+        assert not (out / names["dead"]).exists()
+        assert (out / names["live"]).exists() and (out / names["elsewhere"]).exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_save_names_its_writer_in_the_temp_file():
+    from utils.files import WRITER, temp_prefix, writer_gone
+    match = WRITER.match(temp_prefix() + "x1y2z3-checkpoint.pth.tar")
+    assert match and int(match.group(1)) == os.getpid()
+    assert not writer_gone(temp_prefix() + "x1y2z3-checkpoint.pth.tar")  # this process runs
+    assert writer_gone(".tmp-k1ll3d-checkpoint.pth.tar")  # no writer named: an older save

@@ -10,12 +10,41 @@ import contextlib
 import csv
 import io
 import os
+import re
 import shutil
+import socket
 import tempfile
 
 from .errors import WriteError
 
 TEMP_PREFIX = ".tmp-"  # temp files and folders start with this; a killed writer leaves only these
+# After the prefix, the writer: PID@HOST~ (a run cleaning its directory removes only the temp files
+# of writers that are gone, never those of a save still in progress)
+WRITER = re.compile(r"\.tmp-(\d+)@([^~/]*)~")
+
+
+def temp_prefix():
+    """TEMP_PREFIX naming this process as the writer (see WRITER)."""
+    return f"{TEMP_PREFIX}{os.getpid()}@{socket.gethostname().replace('~', '-')}~"
+
+
+def writer_gone(name):
+    """Whether the temp file `name` was left by a writer that no longer runs: its process is gone
+    from this host, or the name names no writer (code that did not record one). A writer on
+    another host (a shared filesystem) cannot be checked here, so it counts as running."""
+    match = WRITER.match(name)
+    if match is None:
+        return True
+    pid, host = int(match.group(1)), match.group(2)
+    if host != socket.gethostname().replace("~", "-"):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
 
 
 def _publish(tmp, path):
@@ -58,7 +87,7 @@ def atomic_write(path, content, fsync=False):
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix="-" + os.path.basename(path), dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix="-" + os.path.basename(path), dir=folder)
     try:
         with os.fdopen(fd, "wb") as handle:
             if callable(content):
@@ -110,7 +139,7 @@ def atomic_directory(path):
     """
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
+    tmp = tempfile.mkdtemp(prefix=temp_prefix(), dir=parent)
     try:
         yield tmp
         try:

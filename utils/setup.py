@@ -11,7 +11,7 @@ from .checkpoint import BEST, CHECKPOINT, kept_checkpoints, load_checkpoint, loa
 from .cli import apply_source_defaults, source_kind, typed_dests
 from .compiled import compile_model, resolve_compile
 from .errors import UsageError, first_line
-from .files import TEMP_PREFIX, atomic_write
+from .files import TEMP_PREFIX, atomic_write, writer_gone
 from .models import build_model, check_input_size, has_2d_convolutions, model_data_config
 from .precision import Precision, cpu_fp16_note, requested_mixed_precision, resolve_recipe
 from .recipe import build_ema, build_optimizer
@@ -241,7 +241,7 @@ def settle_output_dir(args):
     except OSError as err:
         raise UsageError(f"--output-dir {out!r} is not writable ({err.strerror}); give a directory you "
                          "can write to") from None
-    lines = remove_stale_temp_files(out)
+    lines = []
     found = [name for name in RUN_FILES if os.path.lexists(os.path.join(out, name))]
     found += [name for _, name in kept_checkpoints(out)]  # --keep-checkpoints copies are the run's too
     resume = getattr(args, "resume", "")
@@ -259,7 +259,7 @@ def settle_output_dir(args):
             lines.append(f"=> --resume {os.path.basename(resume)}: the {CHECKPOINT} beside it is newer; this "
                          f"run continues from the older file and its saves replace {CHECKPOINT}")
     if not found or continuing:
-        return lines, []
+        return remove_stale_temp_files(out) + lines, []
     if not overwrite:
         listed = ", ".join(found)
         if resume:
@@ -271,13 +271,14 @@ def settle_output_dir(args):
                          "--overwrite (removes those files), or choose another --output-dir")
     lines.append(f"=> --overwrite: the previous run's {', '.join(found)} in {out} will be removed once this run "
                  "has built its data and model")
-    return lines, found
+    return remove_stale_temp_files(out) + lines, found
 
 
 def remove_stale_temp_files(out):
     """Temp files (utils.files.TEMP_PREFIX) of a save that was killed before its rename: never a
-    finished file, so safe to delete once this run owns the directory."""
-    stale = sorted(name for name in os.listdir(out) if name.startswith(TEMP_PREFIX))
+    finished file, so safe to delete once this run owns the directory. Those of a writer still
+    running (another run saving into the same folder right now) are left alone."""
+    stale = sorted(name for name in os.listdir(out) if name.startswith(TEMP_PREFIX) and writer_gone(name))
     for name in stale:
         path = os.path.join(out, name)
         if os.path.isdir(path) and not os.path.islink(path):
