@@ -90,10 +90,11 @@ def main(argv=None):
     resolved = {"opt_level": recipe.opt_level, "mixed_precision": recipe.dtype_name,  # what ran, for args.yaml
                 "num_classes": num_classes, "data": args.data or "digits"}
     remove_replaced_run(args, accelerator, replaced)  # --overwrite: only now that everything was built
-    run_log = RunLog(args, accelerator, resolved)  # args.yaml, summary.csv, curves.png, trackers per epoch
+    profiling = args.prof >= 0  # a --prof run writes nothing: no log, no checkpoint
+    run_log = RunLog(args, accelerator, resolved, active=not profiling)  # args.yaml, summary.csv, curves.png, trackers
 
-    phases = NvtxWindow(args.prof) if args.prof >= 0 else NoPhases()
-    if args.prof >= 0 and not torch.cuda.is_available():
+    phases = NvtxWindow(args.prof) if profiling else NoPhases()
+    if profiling and not torch.cuda.is_available():
         warn(accelerator, "--prof: no CUDA, so no NVTX ranges or cudaProfiler calls; the run still "
                           f"stops after step {args.prof + 10}")
     steps = steps_per_epoch(data, args)
@@ -119,7 +120,8 @@ def main(argv=None):
             save(epoch, next_step, lr=optimizer.param_groups[0]["lr"])
 
     def stopped(path, epoch, next_step):  # after a stop signal: say where, and how to go on
-        log(stopped_line(stop, path, epoch, next_step, steps, accelerator.num_processes))
+        log(stopped_line(stop, path, epoch, next_step, steps, accelerator.num_processes, args.output_dir,
+                         parser._option_string_actions))
         run_log.finish()
         accelerator.end_training()
         return stop.exit_code
@@ -130,14 +132,18 @@ def main(argv=None):
         for epoch, first_step in training_epochs(args, data, accelerator):
             trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, train_criterion,
                                       phases, log, progress, first_step, stop,
-                                      every_n_steps if args.save_every_steps else None, augment, ahead)
+                                      every_n_steps if args.save_every_steps and not profiling else None, augment,
+                                      ahead)
             ahead = None
             if trained.diverged:
                 raise Diverged(diverged_message(trained.diverged, epoch, trained.step, steps, trained.lr,
                                                 last_good))
+            if trained.stopped and profiling:
+                log(f"=> stopped by {stop.name} during the --prof run (it saves nothing)")
+                return stop.exit_code
             if trained.stopped:  # every process stopped at this same step
                 return stopped(save(epoch, trained.next_step, lr=trained.lr), epoch, trained.next_step)
-            if args.prof >= 0:
+            if profiling:
                 if phases.finished:
                     break
                 continue  # the window lies in a later epoch (NvtxWindow counts steps across epochs)

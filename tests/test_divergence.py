@@ -150,3 +150,13 @@ def test_weights_finite_sees_batchnorm_statistics_and_o2_masters():
     with torch.no_grad():  # only the fp32 master: the half weight itself stays finite
         next(iter(precision.master_of.values()))[0].fill_(float("inf"))
     assert not precision.weights_finite(model)
+
+
+def test_the_message_says_what_to_do_with_and_without_a_checkpoint():
+    from utils.engine import diverged_message
+    with_file = diverged_message("inf loss", 1, 6, 10, 0.5, "out/checkpoint.pth.tar")
+    assert with_file.endswith("the last good checkpoint is out/checkpoint.pth.tar (it was left as it was); "
+                              "resume from it with a lower --lr (or, at fp16, try bf16 or O0)")
+    without = diverged_message("inf loss", 0, 3, 10, 0.5, None)
+    assert "no checkpoint was written yet; start again with a lower --lr" in without
+    assert "resume" not in without and "left as it was" not in without

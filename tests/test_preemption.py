@@ -219,6 +219,18 @@ def test_resume_command_replaces_resume_and_drops_overwrite():
         "python train.py -b 8 'data dir' --resume out/checkpoint.pth.tar"
 
 
+def test_resume_command_names_the_output_dir_and_knows_abbreviated_flags():
+    """A --resume DIR run writes into DIR without --output-dir typed: the command says where;
+    argparse's abbreviations (--overwr for --overwrite) are dropped or replaced like the flags."""
+    from utils.cli import add_log_args, build_parser
+    from utils.preemption import resume_command
+
+    options = add_log_args(build_parser("train"))._option_string_actions
+    argv = ["train.py", "d", "--overwr", "--resu", "runs/a", "--output-d=x", "--lr", "0.2"]
+    assert resume_command("runs/a/checkpoint.pth.tar", argv, output_dir="runs/a", option_strings=options) == \
+        "python train.py d --lr 0.2 --output-dir runs/a --resume runs/a/checkpoint.pth.tar"
+
+
 def test_a_duplicate_signal_is_the_same_request_and_a_later_one_stops_at_once(monkeypatch):
     from utils import preemption
 
@@ -232,3 +244,12 @@ def test_a_duplicate_signal_is_the_same_request_and_a_later_one_stops_at_once(mo
     with pytest.raises(SystemExit) as stopped:
         stop._handle(signal.SIGTERM, None)
     assert stopped.value.code == 143
+
+
+def test_a_stopped_prof_run_saves_nothing(cache_dir, tmp_path):
+    rc, out, err = train_until(tmp_path, r"Epoch: \[0\]\[2/10\]", signal.SIGTERM, *QUICK, "--steps-per-epoch", "10",
+                               "--prof", "0")
+    assert rc == 143, err[-3000:]
+    no_traceback(err)
+    assert "=> stopped by SIGTERM during the --prof run (it saves nothing)" in out
+    assert os.listdir(tmp_path) == []

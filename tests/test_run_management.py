@@ -106,6 +106,8 @@ def test_resume_auto_continues_without_retyping_flags(cache_dir, tmp_path):
     args = parse(["--resume", run, "--epochs", "3", "--lr", "0.05"])
     assert args.resume == str(run / "checkpoint.pth.tar") and args.output_dir == str(run)
     assert (args.lr, args.momentum, args.batch_size, args.seed) == (0.05, 0.8, 16, 3)
+    # --resume DIR writes into DIR unless --output-dir is typed, even as its default "."
+    assert parse(["--resume", run, "--output-dir", "."]).output_dir == "."
 
 
 def test_resume_names_each_changed_flag(cache_dir, tmp_path, capsys):

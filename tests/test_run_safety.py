@@ -389,3 +389,17 @@ def test_a_save_names_its_writer_in_the_temp_file():
     assert match and int(match.group(1)) == os.getpid()
     assert not writer_gone(temp_prefix() + "x1y2z3-checkpoint.pth.tar")  # this process runs
     assert writer_gone(".tmp-k1ll3d-checkpoint.pth.tar")  # no writer named: an older save
+
+
+def test_a_prof_run_in_a_run_directory_neither_refuses_nor_writes(first_run, tmp_path):
+    """--prof writes nothing (no log, no checkpoint, --save-every-steps idle), so it may profile
+    with --output-dir pointing at a finished run: no refusal, no --overwrite removal, no change;
+    a stop signal during it saves nothing either (tested in test_preemption)."""
+    out = copy_run(first_run, tmp_path / "run")
+    before = snapshot(out)
+    result = run_train("--prof", "0", "--save-every-steps", "1", "--overwrite",
+                       "--output-dir", out, *QUICK, "--steps-per-epoch", "10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--save-every-steps, --overwrite have no effect here" in result.stderr or \
+        "--overwrite, --save-every-steps have no effect here" in result.stderr, result.stderr[-2000:]
+    assert snapshot(out) == before

@@ -206,8 +206,8 @@ def test_typed_flags_a_run_cannot_use_are_named():
     assert notes("-e", "--pretrained") == []
     assert notes("-e", "-b", "16") == ["-e without --resume or --pretrained evaluates freshly initialised weights"]
     assert notes("--prof", "0", "--model-ema", "--keep-checkpoints", "2", "--save-every-steps", "5") == [
-        "--prof stops after its window, before any validation, end-of-epoch checkpoint or epoch log: "
-        "--keep-checkpoints, --model-ema have no effect here"]
+        "--prof stops after its window and writes nothing (no validation, checkpoint or log): "
+        "--keep-checkpoints, --model-ema, --save-every-steps have no effect here"]
     assert notes("--lr", "0.1", "--model-ema", "--keep-checkpoints", "2") == []
     assert notes("--resume", "missing.pth.tar", "--start-epoch", "1", "--epochs", "3") == [
         "--start-epoch has no effect with --resume: the run continues where the checkpoint stopped"]

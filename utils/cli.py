@@ -583,8 +583,10 @@ def evaluation_dests():
 
 
 # What a --prof run of train.py never reaches: it stops after its window, before validating,
-# saving at an epoch's end or logging the epoch.
-NOT_REACHED_BY_PROF = ("keep_checkpoints", "model_ema", "model_ema_best", "model_ema_decay", "log_with")
+# saving at an epoch's end or logging the epoch, and it writes nothing (no checkpoint on a stop
+# signal either), so it neither checks nor replaces what --output-dir holds.
+NOT_REACHED_BY_PROF = ("keep_checkpoints", "model_ema", "model_ema_best", "model_ema_decay", "log_with",
+                       "save_every_steps", "overwrite")
 
 
 def idle_flag_notes(parser, args, typed):
@@ -603,6 +605,6 @@ def idle_flag_notes(parser, args, typed):
     elif args.prof >= 0:
         idle = sorted(names[dest] for dest in typed & set(NOT_REACHED_BY_PROF) if dest in names)
         if idle:
-            notes.append(f"--prof stops after its window, before any validation, end-of-epoch checkpoint or "
-                         f"epoch log: {', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect here")
+            notes.append(f"--prof stops after its window and writes nothing (no validation, checkpoint or "
+                         f"log): {', '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect here")
     return notes

@@ -326,8 +326,8 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
 
 def diverged_message(reason, epoch, step, steps, lr, last_good):
     """Diverged's one line: where, at what LR, why, and what is left to resume from."""
-    saved = (f"the last good checkpoint is {last_good}" if last_good else
-             "no checkpoint was written yet")
+    what_now = (f"the last good checkpoint is {last_good} (it was left as it was); resume from it"
+                if last_good else "no checkpoint was written yet; start again")
     lr_text = f"lr {lr:g}" if lr is not None else "lr unknown"
-    return (f"training diverged at epoch {epoch}, step {step}/{steps} ({lr_text}): {reason}; {saved} "
-            "(it was left as it was); resume from it with a lower --lr (or, at fp16, try bf16 or O0)")
+    return (f"training diverged at epoch {epoch}, step {step}/{steps} ({lr_text}): {reason}; {what_now} "
+            "with a lower --lr (or, at fp16, try bf16 or O0)")

@@ -125,9 +125,9 @@ class RunLog:
     rather than the flags' None.
     """
 
-    def __init__(self, args, accelerator, resolved=None):
+    def __init__(self, args, accelerator, resolved=None, active=True):
         self.accelerator = accelerator
-        self.active = accelerator.is_main_process
+        self.active = active and accelerator.is_main_process  # active=False: a run that logs nothing (--prof)
         self.args = args
         self.resolved = dict(resolved or {})
         self.rows = []

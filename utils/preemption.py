@@ -152,32 +152,47 @@ def _sigterm_by_sender(main_pid):
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def resume_command(path, argv=None, launcher=None):
+def canonical_flag(token, option_strings):
+    """The option a typed long flag means: itself, or the one option it abbreviates (argparse
+    takes any unambiguous prefix: --overwr is --overwrite); the token itself otherwise."""
+    name = token.split("=", 1)[0]
+    if not name.startswith("--") or name in option_strings:
+        return name
+    longer = [option for option in option_strings if option.startswith(name)]
+    return longer[0] if len(longer) == 1 else name
+
+
+def resume_command(path, argv=None, launcher=None, output_dir=None, option_strings=()):
     """The command line that resumes from path: this run's own, with --resume path in place of
-    any --resume it had, and without --overwrite (which would remove the run being resumed)."""
+    any --resume it had, --output-dir output_dir (where this run wrote, which a --resume DIR may
+    have chosen) in place of any it had, and without --overwrite (which would remove the run
+    being resumed). option_strings: the parser's, so that abbreviated flags are recognised."""
     import shlex
     import sys
 
     argv = list(sys.argv if argv is None else argv)
+    replaced = {"--resume", "--output-dir"} if output_dir is not None else {"--resume"}
     script, flags, kept = argv[0], argv[1:], []
     skip = False
     for flag in flags:
         if skip:
             skip = False
             continue
-        if flag == "--resume":
-            skip = True
+        name = canonical_flag(flag, option_strings)
+        if name in replaced:
+            skip = "=" not in flag  # the value is the next word unless given as --flag=value
             continue
-        if flag.startswith("--resume=") or flag == "--overwrite":
+        if name == "--overwrite":
             continue
         kept.append(flag)
     prefix = launcher or "python"
-    return " ".join([prefix, shlex.quote(script), *map(shlex.quote, kept), "--resume", shlex.quote(path)])
+    where = ["--output-dir", shlex.quote(output_dir)] if output_dir is not None else []
+    return " ".join([prefix, shlex.quote(script), *map(shlex.quote, kept), *where, "--resume", shlex.quote(path)])
 
 
-def stopped_line(stop, path, epoch, next_step, steps, num_processes=1):
+def stopped_line(stop, path, epoch, next_step, steps, num_processes=1, output_dir=None, option_strings=()):
     """The one line a run stopped by a signal prints: what was saved where, and how to resume."""
     where = (f"epoch {epoch}, step {next_step}/{steps}" if next_step else f"the start of epoch {epoch}")
     launcher = "python" if num_processes == 1 else "<your launcher, e.g. torchrun or accelerate launch>"
     return (f"=> stopped by {stop.name}: saved {path} at {where}; resume with: "
-            f"{resume_command(path, launcher=launcher)}")
+            f"{resume_command(path, launcher=launcher, output_dir=output_dir, option_strings=option_strings)}")

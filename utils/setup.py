@@ -57,8 +57,8 @@ def parse_flags(parser, argv=None):
     first = parser.parse_args(argv)
     if not hasattr(first, "config"):  # eval.py: its --resume is a file, it takes no recipe
         return first
-    stored, lines = resume_flags(parser, first)
     typed = typed_dests(parser, argv)
+    stored, lines = resume_flags(parser, first, typed)
     if first.resume and "pretrained" in typed:
         raise UsageError("--pretrained and --resume both give the starting weights (the checkpoint's would replace "
                          "the pretrained ones); drop --pretrained")
@@ -119,10 +119,11 @@ def find_resume_checkpoint(directory):
     return os.path.join(directory, kept[-1][1]) if kept else None
 
 
-def resume_flags(parser, args):
+def resume_flags(parser, args, typed=()):
     """Resolve --resume auto|DIR to a checkpoint file (in args) and read the run's flags from it.
     Returns ({dest: stored value} for the parser's flags, lines to print). auto with nothing in
-    --output-dir starts fresh and says so; a DIR without a checkpoint is refused."""
+    --output-dir starts fresh and says so; a DIR without a checkpoint is refused; a DIR is also
+    the output directory unless --output-dir is typed (typed: the dests typed)."""
     if not args.resume:
         return {}, []
     lines = []
@@ -137,7 +138,7 @@ def resume_flags(parser, args):
         if found is None:
             raise UsageError(f"--resume {args.resume!r}: the directory holds no {CHECKPOINT} (nor a kept "
                              "checkpoint-epochNNN.pth.tar); give a checkpoint file or the run's directory")
-        if args.output_dir == parser.get_default("output_dir"):  # continue the run where it is
+        if "output_dir" not in typed:  # continue the run where it is
             args.output_dir = args.resume
         args.resume = found
     if not os.path.isfile(args.resume):
@@ -189,9 +190,9 @@ def prepare_output_dir(args, accelerator):
     """Settle --output-dir before any data or model is built: create it, prove it writable, remove
     temp files a killed save left there, and refuse to replace another run's files. The main
     process checks; every process gets its verdict, so all of them stop with the same one-line
-    error (none is left waiting for the others). -e writes nothing, so nothing is checked.
-    Returns the previous run's files --overwrite replaces (main process; remove_replaced_run)."""
-    if getattr(args, "evaluate", False):
+    error (none is left waiting for the others). -e and --prof write nothing, so nothing is
+    checked. Returns the previous run's files --overwrite replaces (main process; remove_replaced_run)."""
+    if getattr(args, "evaluate", False) or getattr(args, "prof", -1) >= 0:
         return []
     problem, replaced = None, []
     if accelerator.is_main_process:
