@@ -16,12 +16,19 @@ and mean/std, so the val pipeline can be checked against the published top-1; DA
 weights' classes (1000 for ImageNet weights), in their order.
 On N processes rank r scores every N-th val image, so every image counts exactly once.
 """
-import argparse
+import signal
+import sys
+
+if __name__ == "__main__":
+    # Ctrl-C during the imports below (seconds, torch's) ends the process quietly (status 130), not with
+    # a traceback from deep inside an import; exit_on_usage_error gives Ctrl-C its message back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import argparse  # noqa: E402
 import csv
 import io
 import json
 import os
-import sys
 
 import torch
 

@@ -27,6 +27,11 @@ if __name__ == "profile":
     sys.modules["profile"] = _stdlib_profile
     _spec.loader.exec_module(_stdlib_profile)
 else:
+    if __name__ == "__main__":
+        # Ctrl-C during the imports below (seconds, torch's) ends the process quietly (status 130), not with
+        # a traceback from deep inside an import; exit_on_usage_error gives Ctrl-C its message back.
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     import argparse
     import os
 

@@ -11,9 +11,15 @@ divergence (one line naming the step, the LR and the last good checkpoint, exit 
 live in utils/.
 """
 import os
+import signal
 import sys
 
-import torch
+if __name__ == "__main__":
+    # Ctrl-C during the imports below (seconds, torch's) ends the process quietly (status 130), not with
+    # a traceback from deep inside an import; exit_on_usage_error gives Ctrl-C its message back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import torch  # noqa: E402
 
 from utils.checkpoint import CHECKPOINT, save_checkpoint
 from utils.cli import add_log_args, build_parser, idle_flag_notes, source_kind, typed_dests

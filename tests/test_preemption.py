@@ -253,3 +253,21 @@ def test_a_stopped_prof_run_saves_nothing(cache_dir, tmp_path):
     no_traceback(err)
     assert "=> stopped by SIGTERM during the --prof run (it saves nothing)" in out
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "profile.py"])
+def test_ctrl_c_while_the_scripts_import_ends_them_without_a_traceback(script):
+    """-X importtime writes a line as each module finishes importing; SIGINT goes out at the first
+    of torch's, so it lands inside the imports every time, whatever the machine's speed."""
+    process = subprocess.Popen([sys.executable, "-X", "importtime", os.path.join(ROOT, script)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                               cwd=ROOT)
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if re.search(r"\|\s+torch\.", line):
+            process.send_signal(signal.SIGINT)
+            break
+    _, err = process.communicate(timeout=TIMEOUT)
+    assert process.returncode in (-signal.SIGINT, 130), "".join(seen)[-2000:] + err[-2000:]
+    no_traceback(err)

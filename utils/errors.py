@@ -50,7 +50,9 @@ def exit_on_usage_error(main):
     """Run main(); turn a UsageError into 'prog: error: ...' on stderr and exit code 2, and a
     WriteError (output could not be written) into one such line and exit code 4."""
     import os
+    import signal
     prog = os.path.basename(sys.argv[0])
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' imports ran with the default action
     try:
         return main()
     except UsageError as err:
