@@ -194,6 +194,44 @@ def test_two_process_sigterm_stops_every_rank_at_one_step_and_resumes(cache_dir,
     assert_same_weights(stopped / "checkpoint.pth.tar", straight / "checkpoint.pth.tar")
 
 
+def test_a_signal_to_one_rank_only_stops_every_rank_by_its_name(cache_dir, tmp_path):
+    """SIGTERM to rank 1 alone (a node's share of a job, or a kill by hand): rank 0, which got no
+    signal, still names it in the stop line and exits 143 like rank 1, at the same step. Ranks are
+    started by hand with torchrun's environment, so each one's exit code is its own."""
+    from test_distributed import free_port
+    port, ranks = free_port(), []
+    for rank in range(2):
+        env = subprocess_env({**CPU, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                              "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"})
+        ranks.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *TWO_PROC,
+                                       "--output-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env))
+    seen = []
+    try:
+        for line in ranks[0].stdout:  # rank 0 prints the log lines; then the signal goes to rank 1
+            seen.append(line)
+            if re.search(r"Epoch: \[0\]\[2/8\]", line):
+                ranks[1].send_signal(signal.SIGTERM)
+                break
+        outputs = [process.communicate(timeout=TIMEOUT) for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()
+    out = "".join(seen) + outputs[0][0]
+    assert [process.returncode for process in ranks] == [143, 143], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    stopped = STOPPED.search(out)
+    assert stopped and stopped.group(1) == "SIGTERM", out[-3000:]
+    assert torch.load(tmp_path / "checkpoint.pth.tar", weights_only=True)["mid_epoch"]
+
+
+def test_the_agreed_signal_is_theirs_or_sigterm_when_they_differ():
+    from utils.preemption import agreed_signal
+    assert agreed_signal(0, 0) is None
+    assert agreed_signal(1, signal.SIGINT) == signal.SIGINT
+    assert agreed_signal(2, 2 * signal.SIGTERM) == signal.SIGTERM
+    assert agreed_signal(2, signal.SIGINT + signal.SIGTERM) == signal.SIGTERM
+
+
 # ---------------------------------------------------------------------------------------------
 # In-process pieces
 

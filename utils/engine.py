@@ -21,7 +21,7 @@ from .compiled import eval_module
 from .errors import UsageError
 from .logs import NoProgress
 from .precision import MAX_NONFINITE_STEPS
-from .preemption import NoStop
+from .preemption import NoStop, agreed_signal
 from .profiling import NoPhases
 from .recipe import micro_batch_context
 
@@ -53,9 +53,9 @@ class DeviceMeter:
     def __init__(self, device, num_classes):
         self.device = device
         self.topk = min(5, num_classes)
-        # loss x n, top-1 hits, top-5 hits, n; the 5th slot counts processes asked to stop
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
-        self.total = [0.0, 0.0, 0.0, 0.0, 0.0]  # what has been read so far (all processes)
+        # loss x n, top-1 hits, top-5 hits, n; then the processes asked to stop and their signals' sum
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.total = [0.0] * 6  # what has been read so far (all processes)
 
     @torch.no_grad()
     def update(self, loss, output, target):
@@ -67,13 +67,14 @@ class DeviceMeter:
         self.sums[2] += hits.sum()
         self.sums[3] += n
 
-    def read(self, accelerator=None, stop_requested=False):
+    def read(self, accelerator=None, stop_signal=None):
         """Averages since the last read and over everything read; syncs (and reduces if given).
 
-        stop_requested rides along in the same all-reduce (no collective of its own): the
-        interval's "stop" is the number of processes that were asked to stop."""
-        if stop_requested:
-            self.sums[4] = 1.0
+        stop_signal (the signal number this process was asked to stop by, or None) rides along in
+        the same all-reduce (no collective of its own): the interval's "stop" is the number of
+        processes that were asked to stop, "signal" the signal they got (SIGTERM if they differ)."""
+        if stop_signal:
+            self.sums[4], self.sums[5] = 1.0, float(stop_signal)
         sums = accelerator.reduce(self.sums, reduction="sum") if accelerator is not None else self.sums
         values = sums.tolist()
         self.sums.zero_()
@@ -84,7 +85,9 @@ class DeviceMeter:
 def averages(sums):
     count = max(sums[3], 1.0)
     return {"loss": sums[0] / count, "top1": 100.0 * sums[1] / count, "top5": 100.0 * sums[2] / count,
-            "count": int(sums[3]), "stop": int(sums[4]) if len(sums) > 4 else 0}
+            "count": int(sums[3]), "stop": int(sums[4]) if len(sums) > 4 else 0,
+            "signal": agreed_signal(sums[4], sums[5]) if len(sums) > 5 else None}
+
 
 
 @dataclass
@@ -237,7 +240,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
         last = step + 1 == steps
         stopping = world == 1 and stop.requested  # one process: a host bool, checked every step
         if (step + 1) % args.print_freq == 0 or last or stopping:
-            interval, total = meter.read(accelerator, stop.requested)
+            interval, total = meter.read(accelerator, stop.signum)
             now = time.perf_counter()
             step_time = (now - interval_start) / interval_steps
             time_avg_sum += now - interval_start
@@ -257,6 +260,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
             if diverged:
                 break
             if interval["stop"]:
+                stop.adopt(interval["signal"])  # the signal may have reached another process only
                 next_step = step + 1
                 break
         if on_step is not None and not last:  # the epoch's own checkpoint follows its last step

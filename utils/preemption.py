@@ -83,18 +83,38 @@ class StopOnSignal:
                 self.restore()
         return scope()
 
+    def adopt(self, signum):
+        """Stop for the signal another process got (the all-reduce said so), if none came here."""
+        if self.signum is None and signum is not None:
+            self.signum, self.first_at = signum, time.monotonic()
+
     def agreed(self, accelerator):
-        """Whether any process was asked to stop: one tiny all-reduce (call it on every rank at
-        the same point; train.py does once an epoch, after the checkpoint)."""
+        """Whether any process was asked to stop (adopting its signal): one tiny all-reduce (call
+        it on every rank at the same point; train.py does once an epoch, after the checkpoint)."""
         if accelerator.num_processes == 1:
             return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item())
+        flag = torch.tensor([1.0, float(self.signum)] if self.requested else [0.0, 0.0], device=accelerator.device)
+        count, total = accelerator.reduce(flag, reduction="sum").tolist()
+        self.adopt(agreed_signal(count, total))
+        return bool(count)
+
+
+def agreed_signal(count, total):
+    """The signal `count` processes were stopped by, from the sum of their signal numbers: theirs
+    if they all got the same one, else SIGTERM (a scheduler's, which outranks a Ctrl-C)."""
+    if not count:
+        return None
+    signum = total / count
+    return int(signum) if signum in (signal.SIGINT, signal.SIGTERM) else int(signal.SIGTERM)
 
 
 class NoStop:
     """The stop request of loops that never stop early (profile.py)."""
     requested = False
+    signum = None
+
+    def adopt(self, signum):
+        pass
 
 
 def ignore_stop_signals_in_worker(worker_id):
