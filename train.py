@@ -21,7 +21,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from utils.checkpoint import CHECKPOINT, save_checkpoint
+from utils.checkpoint import BEST, CHECKPOINT, best_on_disk, save_checkpoint
 from utils.cli import add_log_args, build_parser, idle_flag_notes, source_kind, typed_dests
 from utils.compiled import plain_module
 from utils.data import build_data
@@ -96,6 +96,11 @@ def main(argv=None):
     resolved = {"opt_level": recipe.opt_level, "mixed_precision": recipe.dtype_name,  # what ran, for args.yaml
                 "num_classes": num_classes, "data": args.data or "digits"}
     remove_replaced_run(args, accelerator, replaced)  # --overwrite: only now that everything was built
+    on_disk = best_on_disk(args.output_dir) if args.resume else None
+    if on_disk is not None and on_disk > best_prec1:  # resumed from an older checkpoint: keep the better file
+        log(f"=> {BEST} in {args.output_dir} holds Prec@1 {on_disk:.3f}, above this checkpoint's best "
+            f"({best_prec1:.3f}): only an epoch that beats it replaces it")
+        best_prec1 = on_disk
     profiling = args.prof >= 0  # a --prof run writes nothing: no log, no checkpoint
     run_log = RunLog(args, accelerator, resolved, active=not profiling)  # args.yaml, summary.csv, curves.png, trackers
 

@@ -403,3 +403,32 @@ def test_a_prof_run_in_a_run_directory_neither_refuses_nor_writes(first_run, tmp
     assert "--save-every-steps, --overwrite have no effect here" in result.stderr or \
         "--overwrite, --save-every-steps have no effect here" in result.stderr, result.stderr[-2000:]
     assert snapshot(out) == before
+
+
+def test_resuming_an_older_checkpoint_keeps_a_better_model_best(first_run, tmp_path):
+    """model_best.pth.tar from a continuation the resume abandons may beat the resumed
+    checkpoint's best: the run says so and replaces it only with a better epoch."""
+    out = copy_run(first_run, tmp_path / "run")
+    best = torch.load(out / "model_best.pth.tar", weights_only=True)
+    best["best_prec1"] = 100.0  # as if a later epoch had scored it
+    torch.save(best, out / "model_best.pth.tar")
+    before = (out / "model_best.pth.tar").read_bytes()
+    resumed = run_train("--resume", out / "checkpoint.pth.tar", "--output-dir", out, "--epochs", "2", *QUICK)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "model_best.pth.tar in" in resumed.stdout and "holds Prec@1 100.000, above this checkpoint's best" in \
+        resumed.stdout
+    assert (out / "model_best.pth.tar").read_bytes() == before
+    assert torch.load(out / "checkpoint.pth.tar", weights_only=True)["best_prec1"] == 100.0
+
+
+def test_a_failed_model_best_write_leaves_checkpoint_at_the_epoch_before(tmp_path):
+    """model_best.pth.tar is written first: when it cannot be (here a folder holds its name),
+    checkpoint.pth.tar is still the previous epoch's, the one summary.csv ends with."""
+    from utils.checkpoint import save_checkpoint
+    from utils.errors import WriteError
+    save_checkpoint({"epoch": 1, "step": 0}, False, tmp_path)
+    (tmp_path / "model_best.pth.tar").mkdir()
+    (tmp_path / "model_best.pth.tar" / "something").write_text("x")
+    with pytest.raises((WriteError, OSError)):
+        save_checkpoint({"epoch": 2, "step": 0}, True, tmp_path)
+    assert torch.load(tmp_path / "checkpoint.pth.tar", weights_only=True)["epoch"] == 1

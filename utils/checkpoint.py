@@ -39,12 +39,16 @@ def save_checkpoint(state, is_best, output_dir, keep=0):
 
     fsync before each rename: after a power cut a checkpoint is the old one or the new one, never
     a renamed but empty file. Called by the main process only, so only it removes old copies.
+    model_best.pth.tar is written first: if that write fails (a full disk), checkpoint.pth.tar
+    still holds the epoch before, which the run's summary.csv ends with, and a resume redoes
+    the epoch; if the next write fails, model_best is one epoch ahead, which best_on_disk reads.
     """
     path = os.path.join(output_dir, CHECKPOINT)
-    atomic_write(path, lambda handle: torch.save(state, handle), fsync=True)
-    written = [path]
     if is_best:
-        written.append(copy_atomic(path, os.path.join(output_dir, BEST), fsync=True))
+        best = atomic_write(os.path.join(output_dir, BEST), lambda handle: torch.save(state, handle), fsync=True)
+        written = [copy_atomic(best, path, fsync=True), best]
+    else:
+        written = [atomic_write(path, lambda handle: torch.save(state, handle), fsync=True)]
     if keep > 0 and not state.get("step", 0):
         epoch = state["epoch"]
         written.append(copy_atomic(path, os.path.join(output_dir, kept_name(epoch)), fsync=True))
@@ -52,6 +56,20 @@ def save_checkpoint(state, is_best, output_dir, keep=0):
         for name in older[:max(len(older) - (keep - 1), 0)]:  # never the copy just written
             os.remove(os.path.join(output_dir, name))
     return written
+
+
+def best_on_disk(output_dir):
+    """The best_prec1 of the model_best.pth.tar in output_dir, or None (none there, or unreadable).
+    A run resumed from an older checkpoint starts from that one's best; the file already there may
+    be better (from the continuation it abandons) and must not be replaced by a worse model."""
+    path = os.path.join(output_dir, BEST)
+    if not os.path.isfile(path):
+        return None
+    try:  # mmap: only the few bytes of one number are read, not the weights
+        best = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("best_prec1")
+    except Exception:  # a damaged file holds no claim to keep
+        return None
+    return float(best) if isinstance(best, (int, float)) else None
 
 
 def load_checkpoint(path, training=False):
