@@ -165,7 +165,7 @@ def train_window(args, accelerator, recipe, phases, log):
         torch.cuda.reset_peak_memory_stats(accelerator.device)
     data = build_data(args, accelerator)
     num_classes = args.num_classes or data.num_classes
-    model, optimizer, precision, _ = build_or_resume(args, accelerator, recipe, num_classes)
+    model, optimizer, precision, _, _ = build_or_resume(args, accelerator, recipe, num_classes)
     check_enough_steps(args, data)  # after --resume moved args.start_epoch
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
     time_data_wait(data.train, phases)

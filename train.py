@@ -37,14 +37,16 @@ from utils.setup import (build_or_resume, global_batch, make_accelerator, parse_
 
 
 def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1, accelerator,
-                     num_classes=None, classes=None, next_step=0):
+                     num_classes=None, classes=None, next_step=0, so_far=None):
     """What --resume continues from: (epoch, step) is the position to continue at, the next
     epoch to run after a finished epoch (step 0, as Apex stores it), or the epoch in progress and
-    its next step for a mid-epoch checkpoint (a stop signal, --save-every-steps)."""
+    its next step for a mid-epoch checkpoint (a stop signal, --save-every-steps), with so_far, the
+    epoch's figures until then (for its summary.csv row)."""
     return {
         "epoch": epoch,
         "step": next_step,
         "mid_epoch": next_step > 0,  # resumes inside "epoch", at "step" of the same shuffle
+        **({"epoch_so_far": so_far} if next_step > 0 and so_far is not None else {}),
         "global_batch": global_batch(args, accelerator),  # what "step" counts in (x --accum-steps)
         "arch": args.arch,
         "state_dict": precision.fp32_state_dict(plain_module(model)),
@@ -75,7 +77,8 @@ def main(argv=None):
 
     data = build_data(args, accelerator, train=not args.evaluate)  # -e reads the val split only
     num_classes = args.num_classes or data.num_classes
-    model, optimizer, precision, best_prec1 = build_or_resume(args, accelerator, recipe, num_classes, data.classes)
+    model, optimizer, precision, best_prec1, so_far = build_or_resume(args, accelerator, recipe, num_classes,
+                                                                      data.classes)
     if args.resume:
         inside = f", step {args.start_step}" if args.start_step else ""  # a mid-epoch checkpoint
         log(f"=> resumed {args.resume!r} at epoch {args.start_epoch}{inside} (best Prec@1 {best_prec1:.3f})")
@@ -111,7 +114,7 @@ def main(argv=None):
     steps = steps_per_epoch(data, args)
     last_good = args.resume or None  # the checkpoint a divergence message points back to
 
-    def save(epoch, next_step=0, is_best=False, lr=None):
+    def save(epoch, next_step=0, is_best=False, lr=None, so_far=None):
         """checkpoint.pth.tar at (epoch, next_step), by the main process. Non-finite weights are
         never written (over a good checkpoint, or as model_best): every process checks them and
         stops with the divergence message instead."""
@@ -121,14 +124,14 @@ def main(argv=None):
             raise Diverged(diverged_message("the weights (or BatchNorm statistics) hold inf/NaN", *done, steps, lr, last_good))
         if accelerator.is_main_process:
             save_checkpoint(checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec1,
-                                             accelerator, num_classes, data.classes, next_step),
+                                             accelerator, num_classes, data.classes, next_step, so_far),
                             is_best, args.output_dir, keep=args.keep_checkpoints)
         last_good = os.path.join(args.output_dir, CHECKPOINT)
         return last_good
 
-    def every_n_steps(epoch, next_step):  # --save-every-steps: counted across epochs
+    def every_n_steps(epoch, next_step, so_far):  # --save-every-steps: counted across epochs
         if (epoch * steps + next_step) % args.save_every_steps == 0:
-            save(epoch, next_step, lr=optimizer.param_groups[0]["lr"])
+            save(epoch, next_step, lr=optimizer.param_groups[0]["lr"], so_far=so_far())
 
     def stopped(path, epoch, next_step):  # after a stop signal: say where, and how to go on
         log(stopped_line(stop, path, epoch, next_step, steps, accelerator.num_processes, args.output_dir,
@@ -144,7 +147,7 @@ def main(argv=None):
             trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, train_criterion,
                                       phases, log, progress, first_step, stop,
                                       every_n_steps if args.save_every_steps and not profiling else None, augment,
-                                      ahead)
+                                      ahead, so_far if epoch == args.start_epoch else None)
             ahead = None
             if trained.diverged:
                 raise Diverged(diverged_message(trained.diverged, epoch, trained.step, steps, trained.lr,
@@ -153,7 +156,8 @@ def main(argv=None):
                 log(f"=> stopped by {stop.name} during the --prof run (it saves nothing)")
                 return stop.exit_code
             if trained.stopped:  # every process stopped at this same step
-                return stopped(save(epoch, trained.next_step, lr=trained.lr), epoch, trained.next_step)
+                return stopped(save(epoch, trained.next_step, lr=trained.lr, so_far=trained.so_far()), epoch,
+                               trained.next_step)
             if profiling:
                 if phases.finished:
                     break

@@ -7,6 +7,7 @@ stops every rank at one step, and resumes on 2 processes to the uninterrupted ru
 The signal is sent once the run has printed a given step's log line (no timing assumptions): a
 stop lands after the step in progress (one process) or at the next --print-freq boundary (several).
 """
+import csv
 import os
 import re
 import signal
@@ -101,6 +102,7 @@ def test_sigterm_mid_epoch_then_resume_equals_uninterrupted(uninterrupted, tmp_p
     else:  # stopped after the epoch's last step: validation and the epoch's checkpoint come first
         assert first is None
     assert_same_weights(tmp_path / "checkpoint.pth.tar", uninterrupted / "checkpoint.pth.tar")
+    assert_same_rows(tmp_path, uninterrupted)
 
 
 def test_sigint_exits_130_without_traceback_and_resumes(cache_dir, tmp_path):
@@ -144,6 +146,18 @@ def test_save_every_steps_writes_mid_epoch_checkpoints_that_resume(uninterrupted
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(r"Epoch: \[0\]\[5/6\]", resumed.stdout) and not re.search(r"Epoch: \[0\]\[4/6\]", resumed.stdout)
     assert_same_weights(stopped_at / "checkpoint.pth.tar", uninterrupted / "checkpoint.pth.tar")
+    assert_same_rows(stopped_at, uninterrupted)
+
+
+def assert_same_rows(resumed, straight):
+    """summary.csv of a run resumed mid-epoch equals an uninterrupted run's: the resumed epoch's
+    row covers the steps before the checkpoint too (it carried them)."""
+    resumed_rows, straight_rows = (list(csv.DictReader(open(folder / "summary.csv"))) for folder in
+                                   (resumed, straight))
+    assert len(resumed_rows) == len(straight_rows) == 2
+    for column in ("train_loss", "train_top1", "top1", "val_loss"):
+        for got, want in zip(resumed_rows, straight_rows):
+            assert float(got[column]) == pytest.approx(float(want[column]), rel=1e-9, abs=1e-9), column
 
 
 def test_mid_epoch_resume_refuses_another_global_batch(cache_dir, tmp_path):

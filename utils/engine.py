@@ -81,6 +81,15 @@ class DeviceMeter:
         self.total = [t + v for t, v in zip(self.total, values)]
         return averages(values), averages(self.total)
 
+    def so_far(self, accelerator=None):
+        """The totals over everything so far ({"sums": loss x n, top-1, top-5 hits, n}) without
+        ending the interval: what a mid-epoch checkpoint carries. Reduces if given (every process
+        must call it at the same step)."""
+        sums = self.sums.clone()
+        if accelerator is not None:
+            sums = accelerator.reduce(sums, reduction="sum")
+        return [t + v for t, v in zip(self.total[:4], sums.tolist()[:4])]
+
 
 def averages(sums):
     count = max(sums[3], 1.0)
@@ -104,6 +113,11 @@ class EpochResult:
     diverged: str = None     # why training stopped for non-finite numbers (Precision.divergence)
     step: int = None         # the last step run (1-based, as the log lines), for messages
     lr: float = None         # the LR of that step
+    sums: list = None        # loss x n, top-1 and top-5 hits, n: what a mid-epoch checkpoint carries
+
+    def so_far(self):
+        """A mid-epoch checkpoint's record of the epoch until its step (train_one_epoch's carried)."""
+        return {"sums": self.sums, "seconds": self.seconds}
 
     @property
     def stopped(self):
@@ -181,7 +195,7 @@ def close_batches(batches):
 
 def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion,
                     phases=NoPhases(), log=print, progress=NoProgress(), first_step=0, stop=NoStop(),
-                    on_step=None, augment=None, batches=None):
+                    on_step=None, augment=None, batches=None, carried=None):
     """Train one epoch from first_step. Stops early, at a step every process agrees on, when
     stop.requested (returns next_step) or when the run diverged (returns diverged). on_step(epoch,
     next_step) runs after each step (train.py's --save-every-steps). augment: utils.recipe's
@@ -193,7 +207,11 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
     one overflow check and skip, one clip, one loss-scale update, as for one batch of N x b.
 
     batches: the epoch's batches if already started (Data.start_epoch), else iter(data.train)
-    here; closed when the epoch ends, so no decode thread outlives it."""
+    here; closed when the epoch ends, so no decode thread outlives it. carried: a mid-epoch
+    checkpoint's record of its epoch until first_step (EpochResult.so_far); the epoch's figures
+    (log averages, summary.csv row) then cover the whole epoch, not only the steps after it.
+    on_step(epoch, next_step, so_far) gets so_far(), that record now (a collective: call it on
+    every process or none)."""
     model.train()
     steps = steps_per_epoch(data, args)
     world = accelerator.num_processes
@@ -203,6 +221,11 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
     meter = DeviceMeter(accelerator.device, data.num_classes)
     epoch_start = interval_start = time.perf_counter()
     interval_steps, time_avg_sum, time_avg_n = 0, 0.0, 0
+    earlier_seconds = 0.0
+    if carried:  # the steps run before the checkpoint count in this epoch's figures
+        meter.total[:4] = carried["sums"]
+        earlier_seconds = time_avg_sum = carried["seconds"]
+        time_avg_n = first_step
     next_step, diverged, lr = None, None, None
     batches = iter(data.train) if batches is None else batches
     run_ahead = RunAhead(accelerator.device)
@@ -264,16 +287,18 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
                 next_step = step + 1
                 break
         if on_step is not None and not last:  # the epoch's own checkpoint follows its last step
-            on_step(epoch, step + 1)
+            on_step(epoch, step + 1, lambda: {"sums": meter.so_far(accelerator),
+                                              "seconds": earlier_seconds + time.perf_counter() - epoch_start})
         if phases.end_step(step):
             break
     progress.end()
     close_batches(batches)  # an epoch cut short (--steps-per-epoch, a stop) leaves them unfinished
-    seconds = time.perf_counter() - epoch_start
+    seconds = earlier_seconds + time.perf_counter() - epoch_start
     _, total = meter.read(accelerator)
     _, skipped, scale = _scale_fields(precision)
     return EpochResult(total["loss"], total["top1"], total["top5"], total["count"], seconds,
-                       total["count"] / max(seconds, 1e-9), skipped, scale, next_step, diverged, step + 1, lr)
+                       total["count"] / max(seconds, 1e-9), skipped, scale, next_step, diverged, step + 1, lr,
+                       meter.total[:4])
 
 
 def share_buffers_from_main(model, accelerator):

@@ -457,7 +457,8 @@ def build_training_state(args, accelerator, recipe, num_classes, checkpoint=None
 
 def build_or_resume(args, accelerator, recipe, num_classes, classes=None):
     """The training state train.py and profile.py start from: (model, optimizer, precision, best
-    top-1 so far). With --resume (loaded on every process) the weights, optimizer, loss scale and
+    top-1 so far, the record of the epoch until its step for a mid-epoch checkpoint, else None:
+    utils.engine.train_one_epoch's carried). With --resume (loaded on every process) the weights, optimizer, loss scale and
     args.start_epoch come from the checkpoint, in the order that makes a resumed run bit-exact.
     classes: the data's class names in label order, checked against the checkpoint's."""
     if classes and num_classes < len(classes):
@@ -469,7 +470,7 @@ def build_or_resume(args, accelerator, recipe, num_classes, classes=None):
         same_dtype = check_resume_meaning(args, checkpoint, recipe, accelerator, classes)
     model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
     if checkpoint is None:
-        return model, optimizer, precision, 0.0
+        return model, optimizer, precision, 0.0, None
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError) as err:
@@ -479,7 +480,8 @@ def build_or_resume(args, accelerator, recipe, num_classes, classes=None):
         precision.load_state_dict(checkpoint.get("loss_scale"))
     args.start_epoch = checkpoint["epoch"]
     args.start_step = resume_step(args, checkpoint, accelerator)
-    return model, optimizer, precision, checkpoint.get("best_prec1", 0.0)
+    so_far = checkpoint.get("epoch_so_far") if args.start_step else None  # older checkpoints have none
+    return model, optimizer, precision, checkpoint.get("best_prec1", 0.0), so_far
 
 
 def resume_step(args, checkpoint, accelerator):
