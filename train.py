@@ -177,6 +177,7 @@ def main(argv=None):
             if epoch + 1 < args.epochs and stop.agreed(accelerator):  # a signal during validation or the save
                 close_batches(ahead)
                 return stopped(path, epoch + 1, 0)
+    accelerator.wait_for_everyone()  # a process whose last save failed makes the others exit with its code
     run_log.finish()
     accelerator.end_training()
 

@@ -345,3 +345,65 @@ def probe(out_path, argv):
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "probe":
     probe(sys.argv[2], sys.argv[3:])
+
+
+def run_ranks(argv, tmp_path, preexec_by_rank=None):
+    """train.py's 2 ranks started by hand with torchrun's environment, so that each one's exit
+    code and stderr are its own (torchrun would kill one when the other fails). Returns
+    [(returncode, stderr)] by rank."""
+    port, ranks = free_port(), []
+    for rank in range(2):
+        env = subprocess_env({**CPU, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                              "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"})
+        ranks.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *map(str, argv)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                                      preexec_fn=(preexec_by_rank or {}).get(rank)))
+    try:
+        return [(process.returncode, process.communicate(timeout=TIMEOUT)[1]) for process in ranks
+                for _ in [process.wait(timeout=TIMEOUT)]]
+    finally:
+        for process in ranks:
+            process.kill()
+
+
+def test_an_image_only_one_rank_reads_stops_every_rank_with_one_message(tmp_path):
+    """val/class0/1.jpg is index 1 of val: rank 1's alone. Rank 1 names the file and exits 2;
+    rank 0, whose next collective fails, says so in one line and exits 2 too: no traceback."""
+    from conftest import make_image_folder
+    data = make_image_folder(tmp_path / "data")
+    with open(os.path.join(data, "val", "class0", "1.jpg"), "w") as handle:
+        handle.write("not a picture")
+    results = run_ranks([data, *TINY, "-b", "4", "--epochs", "1", "--steps-per-epoch", "2",
+                         "--output-dir", tmp_path / "out"], tmp_path)
+    assert [code for code, _ in results] == [2, 2], [err[-2000:] for _, err in results]
+    both = results[0][1] + results[1][1]
+    assert "Traceback" not in both, both[-3000:]
+    assert both.count("error: cannot read image") == 1 and "class0/1.jpg" in results[1][1]
+    assert "another process of this run failed (its error is above)" in results[0][1]
+
+
+def test_a_usage_error_every_rank_meets_is_printed_once(tmp_path):
+    results = run_ranks([*TINY, "-a", "no_such_net", "--output-dir", tmp_path / "out"], tmp_path)
+    assert [code for code, _ in results] == [2, 2]
+    assert (results[0][1] + results[1][1]).count("error:") == 1 and "no_such_net" in results[0][1]
+
+
+def test_a_failed_write_on_rank_0_stops_rank_1_without_a_traceback(tmp_path):
+    """Rank 0 may write files of at most 1 MB (RLIMIT_FSIZE, SIGXFSZ ignored: write() fails with
+    EFBIG as a full disk's ENOSPC would), so its checkpoint fails: exit 4 with the one line. Rank 1
+    (which would have finished with exit 0 on its own) fails at the run's last barrier and says
+    so in one line; ranks started by hand keep the group's store in rank 0, so it cannot read
+    rank 0's code there and exits 1 (under torchrun the agent keeps the store)."""
+    import resource
+    import signal
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 ** 20, 2 ** 20))
+
+    results = run_ranks([*TINY, "-b", "8", "--epochs", "1", "--steps-per-epoch", "2", "--output-dir", tmp_path / "out"],
+                        tmp_path, preexec_by_rank={0: small_files})
+    assert [code for code, _ in results] == [4, 1], [err[-2000:] for _, err in results]
+    both = results[0][1] + results[1][1]
+    assert "Traceback" not in both and both.count("error: could not write") == 1, both[-3000:]
+    assert "another process of this run failed" in results[1][1]

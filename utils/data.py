@@ -16,7 +16,7 @@ from .batches import (IMAGENET_MEAN, IMAGENET_STD, Data, rgb_loader, sharded_dat
 from .cli import source_kind
 from .crops import CpuTrainCrop
 from .digits import ensure_digits
-from .errors import UsageError
+from .errors import UnreadableInput, UsageError
 from .hf_data import build_hf_data, reject_dataset_flags
 from .image_files import rgb_pixels
 
@@ -144,7 +144,7 @@ class SafeImageFolder(tv_datasets.ImageFolder):
         try:
             return super().__getitem__(index)
         except (OSError, ValueError, SyntaxError) as err:
-            raise UsageError(f"cannot read image {path!r} ({err}); remove or replace that file") from None
+            raise UnreadableInput(f"cannot read image {path!r} ({err}); remove or replace that file") from None
 
 
 def image_folder(path, split, transform):

@@ -18,6 +18,12 @@ class UsageError(Exception):
     """
 
 
+class UnreadableInput(UsageError):
+    """A file of the data that cannot be read. Unlike other usage errors, which every process of a
+    run meets alike, only the process reading that file meets it, so that process prints it. A
+    subclass, not a flag: a DataLoader worker's error reaches the main process as the same type."""
+
+
 class Diverged(Exception):
     """Training produced non-finite numbers it could not skip past (utils/engine.py says which).
 
@@ -41,25 +47,96 @@ class WriteError(OSError):
         import errno as errno_names
         name = errno_names.errorcode.get(self.errno, "")
         what = f"{self.strerror}" + (f" ({name})" if name else "")
-        return (f"could not write {self.path}: {what}; the file there is still the previous version "
-                "(the last checkpoint.pth.tar still loads); free space or choose another --output-dir, "
-                "then --resume")
+        return f"could not write {self.path}: {what}; the file there is still the previous version (or none)"
+
+
+# What to do after a WriteError, per script (train.py's run can be resumed).
+WRITE_ADVICE = {"train.py": " (the last checkpoint.pth.tar still loads); free space or choose another "
+                            "--output-dir, then --resume"}
+FAILED_CODE_KEY = "imagenet_amp_failed_exit_code"  # in the process group's store: see exit_on_usage_error
+
+
+def _in_process_group():
+    """torch.distributed if this process belongs to an initialised group of several, else None."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return None
+    return distributed if distributed.get_world_size() > 1 else None
+
+
+def _process_group_failed(err):
+    """Whether err is this process's collective failing because a peer left (gloo: the connection
+    closed; NCCL: an error or a timeout), in a run of several processes."""
+    distributed = _in_process_group()
+    if distributed is None:
+        return False
+    dist_error = getattr(distributed, "DistError", ())
+    text = str(err)
+    return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and any(
+        word in text for word in ("gloo", "Gloo", "NCCL", "nccl", "Connection closed", "Connection reset",
+                                  "Broken pipe", "timed out")))
+
+
+def _group_store():
+    """The process group's key-value store (torchrun's agent holds it; hand-started ranks: rank
+    0), or None. A private torch function: anything unexpected means no store."""
+    try:
+        from torch.distributed import distributed_c10d
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _tell_peers(code):
+    """Leave this process's exit code where a peer whose collective then fails can read it: the
+    process group's store. torchrun's agent holds that store, so it outlives this process; ranks
+    started without torchrun keep it in rank 0, so when rank 0 fails its peers exit 1 instead."""
+    if _in_process_group() is None:
+        return
+    store = _group_store()
+    if store is not None:
+        try:
+            store.set(FAILED_CODE_KEY, str(code))
+        except Exception:
+            pass
+
+
+def _peer_code():
+    """The exit code a failed peer left (_tell_peers), else EXIT_CRASH."""
+    store = _group_store()
+    try:
+        if store is not None and store.check([FAILED_CODE_KEY]):
+            return int(store.get(FAILED_CODE_KEY))
+    except Exception:
+        pass
+    return EXIT_CRASH
 
 
 def exit_on_usage_error(main):
     """Run main(); turn a UsageError into 'prog: error: ...' on stderr and exit code 2, and a
-    WriteError (output could not be written) into one such line and exit code 4."""
+    WriteError (output could not be written) into one such line and exit code 4.
+
+    In a run of several processes, a usage error that every process meets alike is printed by
+    rank 0 only; an unreadable input file or a failed write is printed by the process that met
+    it, which also leaves its exit code in the process group's store. A peer then fails in its
+    next collective: it says so in one line (no gloo/NCCL traceback) and exits with that code
+    (1 where the store went with the failed process: see _tell_peers)."""
     import os
     import signal
     prog = os.path.basename(sys.argv[0])
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' imports ran with the default action
+    main_rank = int(os.environ.get("RANK", 0)) == 0
     try:
         return main()
     except UsageError as err:
-        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
+        if main_rank or isinstance(err, UnreadableInput):
+            print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        _tell_peers(EXIT_USAGE)
         leave(EXIT_USAGE)
     except WriteError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {err}{WRITE_ADVICE.get(prog, '; free space or write it elsewhere')}",
+              file=sys.stderr, flush=True)
+        _tell_peers(EXIT_WRITE_FAILED)
         leave(EXIT_WRITE_FAILED)
     except Diverged as err:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops at the same step; one message
@@ -69,6 +146,14 @@ def exit_on_usage_error(main):
         print(f"{prog}: interrupted (Ctrl-C) outside the training steps; no checkpoint was written for it",
               file=sys.stderr, flush=True)
         sys.exit(EXIT_SIGINT)
+    except Exception as err:
+        if not _process_group_failed(err):
+            raise
+        code = _peer_code()
+        print(f"{prog}: stopped: another process of this run failed (its error is above); rank "
+              f"{os.environ.get('RANK', '?')} cannot go on without it ({first_line(err, 120)})",
+              file=sys.stderr, flush=True)
+        leave(code)
 
 
 def leave(code):

@@ -44,7 +44,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
-from .errors import UsageError, first_line
+from .errors import UnreadableInput, UsageError, first_line
 from .image_files import GPU, jpeg_header, pil_rgb, read_file
 
 # Pixels a resampling chunk's canvas may hold (x3 channels, as uint8 and then fp16: 144 MiB). An
@@ -83,7 +83,7 @@ class ByteSamples(torch.utils.data.Dataset):
         try:
             data = self.read(where)
         except OSError as err:
-            raise UsageError(f"cannot read image {str(where)!r} ({err}); remove or replace that file") from None
+            raise UnreadableInput(f"cannot read image {str(where)!r} ({err}); remove or replace that file") from None
         route, width, height = jpeg_header(data)
         if route == GPU:
             payload, raw = np.frombuffer(data, dtype=np.uint8), False

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from .batches import as_rgb, sharded_data, train_transform, val_transform
-from .errors import UsageError, first_line
+from .errors import UnreadableInput, UsageError, first_line
 
 VAL_SPLIT_NAMES = ("validation", "val", "valid")  # "test" is left out: hub test splits are often unlabelled
 LABEL_COLUMN_NAMES = ("label", "labels", "target")
@@ -209,7 +209,7 @@ class HFImages(torch.utils.data.Dataset):
                 raise ValueError("the row has no image")
             image = as_rgb(image)  # grey, CMYK or RGBA images, as ImageFolder's loader does
         except (OSError, ValueError, SyntaxError) as err:
-            raise UsageError(f"cannot read image {index} of {self.where} ({first_line(err)}); fix or "
+            raise UnreadableInput(f"cannot read image {index} of {self.where} ({first_line(err)}); fix or "
                              "drop that row") from None
         return (image if self.transform is None else self.transform(image)), row[self.label_column]
 

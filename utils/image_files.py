@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from .errors import UsageError
+from .errors import UnreadableInput
 
 GPU = "gpu"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -116,7 +116,7 @@ def pil_rgb(data, name):
         with Image.open(io.BytesIO(data)) as image:
             return np.asarray(image.convert("RGB"))
     except (OSError, ValueError, SyntaxError) as err:
-        raise UsageError(f"cannot read image {str(name)!r} ({err}); remove or replace that file") from None
+        raise UnreadableInput(f"cannot read image {str(name)!r} ({err}); remove or replace that file") from None
 
 
 def rgb_pixels(path):

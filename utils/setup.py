@@ -563,7 +563,7 @@ def check_resume_meaning(args, checkpoint, recipe, accelerator, classes=None):
     old_accum = stored.get("accum_steps") or 1
     if isinstance(old_batch, int) and isinstance(old_accum, int):
         old_global, new_global = old_batch * old_world * old_accum, global_batch(args, accelerator)
-        if old_global != new_global:
+        if old_global != new_global and not getattr(args, "evaluate", False):  # -e trains nothing
             warn(accelerator, f"resuming with global batch {new_global} (--batch-size {args.batch_size} x "
                               f"{accelerator.num_processes} process(es) x --accum-steps "
                               f"{getattr(args, 'accum_steps', 1)}) where the checkpoint had {old_global} "
