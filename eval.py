@@ -97,6 +97,8 @@ def build_eval_parser():
     group.add_argument("--pretrained", action="store_true",
                        help="evaluate the pretrained weights of -a ARCH (torchvision's, or timm's for "
                             "timm/<name>) from the local cache, never downloaded; not with --resume")
+    group.add_argument("--ema", action="store_true",
+                       help="evaluate the checkpoint's --model-ema weights (state_dict_ema) instead of the model's")
     group.add_argument("-a", "--arch", default=None, metavar="ARCH",
                        help="must match the checkpoint's architecture (default: the checkpoint's); with "
                             "--pretrained, the model to evaluate (required)")
@@ -260,9 +262,22 @@ def check_classes(data, checkpoint, args):
                  (f"missing here: {missing}" if missing else "same names, other order")
         raise UsageError(f"{where} holds other classes than checkpoint {args.resume!r} was trained on "
                          f"({len(found)} vs {len(trained)}; {detail.rstrip('; ')}); evaluate on its own data")
-    if data.num_classes != args.num_classes:
+    if trained and found:
+        return  # the same names in the same order (the model may have more outputs: --num-classes)
+    if data.num_classes > args.num_classes:  # labels beyond the model's outputs; fewer can be a val split's
         raise UsageError(f"{where} has {data.num_classes} classes but checkpoint {args.resume!r} has "
                          f"{args.num_classes}; evaluate on the data it was trained on")
+
+
+def weights_key(args):
+    """The checkpoint entry eval.py scores: the model's weights, or the EMA's with --ema."""
+    return "state_dict_ema" if args.ema else "state_dict"
+
+
+def best_line(checkpoint):
+    """'best Prec@1 X' as the checkpoint counted it: of the EMA weights under --model-ema-best."""
+    judged = " (of the EMA weights: --model-ema-best)" if (checkpoint.get("args") or {}).get("model_ema_best") else ""
+    return f"best Prec@1 {checkpoint.get('best_prec1', float('nan')):.3f}{judged}"
 
 
 def build_eval_model(args, accelerator, recipe, checkpoint):
@@ -272,7 +287,7 @@ def build_eval_model(args, accelerator, recipe, checkpoint):
         model = build_model(args.arch, args.num_classes, pretrained=True)
     else:
         model = build_model(args.arch, args.num_classes)
-        load_model_weights(model, checkpoint["state_dict"], args.arch, args.resume)
+        load_model_weights(model, checkpoint[weights_key(args)], args.arch, args.resume)
     check_input_size(model, args.arch, args.image_size)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(accelerator.device, memory_format=memory_format)
@@ -286,6 +301,7 @@ def result_record(args, checkpoint, recipe, result, accelerator):
     checkpoint = checkpoint or {}  # --pretrained: no epoch, no training opt level
     return {
         "checkpoint": os.path.abspath(args.resume) if args.resume else f"pretrained {args.arch}",
+        "weights": "ema" if args.ema else "model",
         "epoch": checkpoint.get("epoch"), "arch": args.arch, "opt_level": checkpoint.get("opt_level"),
         "eval_opt_level": recipe.opt_level, "eval_dtype": recipe.dtype_name,
         "data": args.data or "digits", "images": result.count,
@@ -385,6 +401,12 @@ def main(argv=None):
     args, checkpoint = parse_eval_args(argv)
     if args.predictions and args.data == "synthetic":
         raise UsageError("--predictions needs real images; synthetic data has none to name: drop it")
+    if args.ema and (checkpoint is None or "state_dict_ema" not in checkpoint):
+        raise UsageError("--ema: " + ("--pretrained weights have no EMA" if checkpoint is None else
+                                      f"checkpoint {args.resume!r} holds no EMA weights (train with --model-ema)"))
+    if args.predictions and args.results_file and os.path.abspath(args.predictions) == os.path.abspath(args.results_file):
+        raise UsageError(f"--results-file and --predictions name the same file {args.predictions!r}; the second "
+                         "would replace the first: give two names")
     accelerator, recipe, notes = make_accelerator(args)
     for note in notes:
         warn(accelerator, note)
@@ -399,8 +421,8 @@ def main(argv=None):
         log(f"=> evaluating the pretrained {args.arch} weights from the local cache")
     else:
         trained = f"{checkpoint.get('opt_level') or '?'} {checkpoint_half_dtype(checkpoint) or 'fp32'}"
-        log(f"=> evaluating {args.resume!r}: {args.arch}, epoch {checkpoint['epoch']}, trained at {trained}, "
-            f"best Prec@1 {checkpoint.get('best_prec1', float('nan')):.3f}")
+        log(f"=> evaluating {args.resume!r}{' (its EMA weights)' if args.ema else ''}: {args.arch}, epoch "
+            f"{checkpoint['epoch']}, trained at {trained}, {best_line(checkpoint)}")
     log(f"=> {args.data or 'digits'} val: {data.val_size} images | {args.num_classes} classes | "
         f"{accelerator.num_processes} process(es) on {accelerator.device.type} | batch {args.batch_size} "
         f"per process | {args.image_size} px")

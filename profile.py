@@ -94,7 +94,9 @@ def idle_flag_notes(args, typed):
     """Warnings for typed flags a train.py command line may carry that profile.py has no use for:
     it never validates, and only --benchmark writes a file (its CSV, into --output-dir)."""
     idle = ["--crop-pct"] if "crop_pct" in typed else []
-    if "output_dir" in typed and not args.benchmark:
+    found_there = bool(args.resume) and (os.path.dirname(os.path.abspath(args.resume)) ==
+                                         os.path.abspath(args.output_dir))  # --resume auto looked there
+    if "output_dir" in typed and not args.benchmark and not found_there:
         idle.append("--output-dir")
     if not idle:
         return []

@@ -22,7 +22,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from utils.checkpoint import BEST, CHECKPOINT, best_on_disk, save_checkpoint
-from utils.cli import add_log_args, build_parser, idle_flag_notes, source_kind, typed_dests
+from utils.cli import absolute_data, add_log_args, build_parser, idle_flag_notes, source_kind, typed_dests
 from utils.compiled import plain_module
 from utils.data import build_data
 from utils.engine import (close_batches, diverged_message, steps_per_epoch, train_one_epoch, training_epochs,
@@ -59,7 +59,7 @@ def checkpoint_state(args, epoch, model, optimizer, precision, recipe, best_prec
         "num_classes": num_classes,
         "classes": classes,  # class names in label order: eval.py refuses data with other classes
         "world_size": accelerator.num_processes,  # with args' batch_size: the global batch, for --resume
-        "args": dict(vars(args)),
+        "args": {**vars(args), "data": absolute_data(args.data)},  # eval.py may run elsewhere
     }
 
 

@@ -120,3 +120,14 @@ def test_other_code_runs_each_configuration_beside_this_copy(tmp_path):
 def test_other_code_without_train_py_is_a_usage_error(tmp_path):
     result = run_script(TOOL, tmp_path, "--other-code", tmp_path)
     assert result.returncode == 2 and "no train.py there" in result.stderr
+
+
+def test_relative_paths_are_the_callers_and_failed_runs_fail_the_tool(tmp_path):
+    """DATA and --runs-dir typed relative to the caller's folder (the runs start in the project's):
+    a missing folder is named by its absolute path, and a failed run makes the tool exit 1."""
+    result = run_script(TOOL, "fake", "--backends", "cpu", "--compile", "False", "--workers", "0", "-a", "resnet18",
+                        "-b", "4", "--steps-per-epoch", "1", "--epochs", "1", "--runs-dir", "runs", "--out", "b.csv",
+                        cwd=tmp_path)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert str(tmp_path / "fake") in result.stdout and "1 run(s) failed" in result.stderr
+    assert (tmp_path / "b.csv").exists()  # --out too is the caller's

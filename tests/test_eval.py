@@ -343,3 +343,46 @@ def test_pretrained_timm_weights_end_to_end_match_timms_own_pipeline(evaluate, t
                 same += [int(row[f"pred{r}"]) for r in range(1, 6)] == top.indices.tolist()
                 assert float(row["prob1"]) == pytest.approx(top.values[0].item(), abs=2e-3)
     assert same >= 990, same  # a near-tie among 1000 random-weight logits may flip an order
+
+
+@pytest.fixture(scope="module")
+def wide_adamw(cache_dir, tmp_path_factory):
+    """A digits checkpoint with more outputs than classes (--num-classes 12) and AdamW."""
+    out = tmp_path_factory.mktemp("wide_adamw")
+    run = run_script("train.py", "-a", "resnet18", "--image-size", "32", "-b", "16", "--steps-per-epoch", "3",
+                     "--epochs", "1", "-j", "0", "--num-classes", "12", "--opt", "adamw", "--lr", "0.01",
+                     "--output-dir", out, env=CPU)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+def test_a_checkpoint_with_more_outputs_than_classes_evaluates(wide_adamw):
+    result = run_script("eval.py", "--resume", wide_adamw / "checkpoint.pth.tar", env=CPU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert FINAL.search(result.stdout)
+
+
+def test_resuming_with_another_optimizer_is_one_line(wide_adamw, tmp_path):
+    result = run_script("train.py", "--resume", wide_adamw / "checkpoint.pth.tar", "--opt", "sgd", "--epochs", "2",
+                        "--output-dir", tmp_path, env=CPU)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "was trained with --opt adamw, this run builds --opt sgd" in result.stderr
+
+
+def test_results_and_predictions_in_one_file_are_refused(wide_adamw, tmp_path):
+    same = tmp_path / "out.csv"
+    result = run_script("eval.py", "--resume", wide_adamw / "checkpoint.pth.tar", "--results-file", same,
+                        "--predictions", same, env=CPU)
+    assert result.returncode == 2 and "name the same file" in result.stderr and not same.exists()
+
+
+def test_a_checkpoint_names_its_data_folder_absolutely(tmp_path, monkeypatch):
+    """DATA typed as a relative folder is stored absolute, so eval.py run from elsewhere reads
+    the same folder, not a namesake in its own working directory."""
+    from utils.cli import absolute_data
+    (tmp_path / "fake").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert absolute_data("fake") == str(tmp_path / "fake")
+    assert absolute_data("hf:fake") == "hf:" + str(tmp_path / "fake")
+    assert [absolute_data(name) for name in (None, "digits", "synthetic", "hf:mnist", "missing")] == \
+        [None, "digits", "synthetic", "hf:mnist", "missing"]

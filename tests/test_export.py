@@ -37,7 +37,7 @@ def test_torchvision_model_loads_the_export_strictly(torchvision_run, tmp_path):
     path = tmp_path / f"{HALF_ARCH}.safetensors"
     result = export(torchvision_run, path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "=> wrote" in result.stdout and f"{HALF_ARCH} (epoch 1, 10 classes)" in result.stdout
+    assert "=> wrote" in result.stdout and f"{HALF_ARCH} (model weights, epoch 1, 10 classes)" in result.stdout
     tensors = safetensors.torch.load_file(path)
     model = torchvision.models.get_model(HALF_ARCH, num_classes=10)
     model.load_state_dict(tensors, strict=True)
@@ -49,6 +49,27 @@ def test_torchvision_model_loads_the_export_strictly(torchvision_run, tmp_path):
         meta = handle.metadata()
     assert (meta["arch"], meta["epoch"], meta["num_classes"], meta["opt_level"]) == (HALF_ARCH, "1", "10", "O2")
     assert json.loads(meta["classes"]) == [str(digit) for digit in range(10)] and meta["format"] == "pt"
+    assert meta["weights"] == "model"
+
+
+def test_ema_weights_export_on_request(torchvision_run, tmp_path):
+    """--ema writes state_dict_ema (the --model-ema average), says so in the metadata, and is
+    refused for a checkpoint without one."""
+    import safetensors
+    import safetensors.torch
+    refused = export(torchvision_run, tmp_path / "none.safetensors", "--ema")
+    assert refused.returncode == 2 and "holds no EMA weights" in refused.stderr
+    checkpoint = torch.load(torchvision_run, weights_only=True)
+    checkpoint["state_dict_ema"] = {key: value + 1 if value.is_floating_point() else value
+                                    for key, value in checkpoint["state_dict"].items()}
+    torch.save(checkpoint, tmp_path / "ema.pth.tar")
+    result = export(tmp_path / "ema.pth.tar", tmp_path / "ema.safetensors", "--ema")
+    assert result.returncode == 0, result.stderr[-3000:]
+    tensors = safetensors.torch.load_file(tmp_path / "ema.safetensors")
+    assert all(torch.equal(tensors[key], value.float() if value.is_floating_point() else value)
+               for key, value in checkpoint["state_dict_ema"].items())
+    with safetensors.safe_open(tmp_path / "ema.safetensors", "pt") as handle:
+        assert handle.metadata()["weights"] == "ema"
 
 
 def test_timm_model_loads_the_export_strictly(cache_dir, tmp_path):
@@ -86,7 +107,11 @@ def test_tool_is_executable_and_refuses_in_one_line(tmp_path):
         assert handle.readline().startswith("#!") and os.access(TOOL, os.X_OK)
     for args, needle in [((tmp_path / "none.pth.tar", tmp_path / "w.safetensors"), "no checkpoint at"),
                          ((tmp_path / "none.pth.tar", tmp_path / "w.pt"), "should end in .safetensors"),
-                         ((tmp_path / "none.pth.tar",), "the following arguments are required")]:
+                         ((tmp_path / "none.pth.tar",), "the following arguments are required"),
+                         ((tmp_path / "none.pth.tar", tmp_path / "dir.safetensors"), "it is a directory"),
+                         ((tmp_path / "none.pth.tar", tmp_path / "file" / "w.safetensors"), "is a file, not a folder")]:
+        (tmp_path / "dir.safetensors").mkdir(exist_ok=True)
+        (tmp_path / "file").write_text("x")
         result = run_command([sys.executable, TOOL, *args])
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr

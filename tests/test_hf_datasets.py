@@ -246,3 +246,15 @@ def test_without_the_datasets_package_other_sources_still_run(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert FINAL_LINE.search(result.stdout)
     assert "usage error:" in result.stdout and "pip install datasets" in result.stdout
+
+
+def test_an_image_column_stored_undecoded_is_decoded_here(tmp_path):
+    """Image(decode=False) hands rows over as {"bytes", "path"}: read the same pixels as the
+    decoded column gives."""
+    path, plain = str(tmp_path / "raw"), str(tmp_path / "plain")
+    rows = labelled_rows(8)
+    rows.save_to_disk(plain)
+    rows.cast_column("image", datasets.Image(decode=False)).save_to_disk(path)
+    got, want = loaders(path, train=False), loaders(plain, train=False)
+    for (a, la), (b, lb) in zip(batches(got.val), batches(want.val)):
+        assert torch.equal(a, b) and torch.equal(la, lb)

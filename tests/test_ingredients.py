@@ -1,5 +1,6 @@
 """The recipe ingredients wired into the loop (utils/recipe.py through utils/engine.py, utils/
 precision.py and train.py): each test asserts the ingredient's effect, on CPU, on tiny runs."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -126,6 +127,12 @@ def test_ema_is_evaluated_and_saved_beside_the_raw_model(cache_dir, tmp_path):
     raw_w, ema_w = checkpoint["state_dict"]["fc.weight"], checkpoint["state_dict_ema"]["fc.weight"]
     assert ema_w.shape == raw_w.shape and not torch.allclose(ema_w, raw_w)
     assert checkpoint["global_batch"] == 32  # -b 16 x 1 process x --accum-steps 2
+    # eval.py --ema scores the EMA weights: the training's own EMA line, to the printed digit
+    evaluated = run_script("eval.py", "--resume", tmp_path / "checkpoint.pth.tar", "--ema")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "(its EMA weights)" in evaluated.stdout
+    assert re.findall(r" \* Prec@1 ([\d.]+) Prec@5", evaluated.stdout) == \
+        re.findall(r" \* EMA Prec@1 ([\d.]+) Prec@5", result.stdout)
 
 
 def test_ingredient_flags_refused_where_they_cannot_work(usage_error):

@@ -105,6 +105,17 @@ def test_loader_benchmark_refuses_a_warmup_that_leaves_nothing(tmp_path):
     assert result.returncode == 2 and "--warmup 3 must be at least 1 and below --batches 3" in result.stderr
 
 
+@pytest.mark.parametrize("flags, needle", [(["--rounds", "0"], "--rounds 0: at least 1"),
+                                           (["-b", "64", "--loaders", "cpu", "-j", "0"], "fewer than one global batch"),
+                                           (["--loaders", "cpu", "--missing"], None)])
+def test_loader_benchmark_usage_errors_are_one_line(tiny_folder, tmp_path, flags, needle):
+    data = tmp_path / "missing" if "--missing" in flags else tiny_folder
+    flags = [flag for flag in flags if flag != "--missing"]
+    result = run_script("tools/benchmark_loader.py", data, *flags)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert (needle or "does not exist") in result.stderr
+
+
 def test_decode_overlap_probe_reports_each_rate(tiny_folder):
     """tools/decode_overlap.py on the CPU (its CUDA rows need the device): the step, the decode,
     the two together through GpuBatches' one and two threads, and the serial/overlap bounds."""
@@ -165,3 +176,18 @@ def test_decode_overlap_trace_without_cuda_is_refused(tiny_folder, tmp_path):
     """--trace reads CUDA streams: on a machine without CUDA it is refused, not silently skipped."""
     result = run_script("tools/decode_overlap.py", tiny_folder, "-b", "4", "--trace", tmp_path)
     assert result.returncode == 2 and "--trace profiles CUDA streams and needs a GPU" in result.stderr
+
+
+def test_fake_imagenet_writes_what_it_says_and_refuses_to_mix_or_count_nothing(tmp_path):
+    tool = "tools/make_fake_imagenet.py"
+    made = run_script(tool, tmp_path / "fake", "--classes", "2", "--train-per-class", "1", "--val-per-class", "1",
+                      "--width", "32", "--height", "32", "--jobs", "1")
+    assert made.returncode == 0, made.stderr[-2000:]
+    files = sorted(path.relative_to(tmp_path / "fake").parts[:2] for path in (tmp_path / "fake").rglob("*.JPEG"))
+    assert len(files) == 4 and "wrote 4 files" in made.stdout
+    again = run_script(tool, tmp_path / "fake", "--classes", "1")
+    assert again.returncode == 2 and "is not an empty folder" in again.stderr
+    for flag, value in (("--classes", "0"), ("--train-per-class", "-1"), ("--width", "0"), ("--jobs", "0")):
+        refused = run_script(tool, tmp_path / "new", flag, value)
+        assert refused.returncode == 2 and f"{flag} {value}: at least" in refused.stderr, refused.stderr
+    assert not (tmp_path / "new").exists()

@@ -300,7 +300,8 @@ def test_flags_profile_py_has_no_use_for_are_named():
     assert notes("--benchmark", "--output-dir", "out") == []  # the CSV goes there
     assert notes("--benchmark", "--crop-pct", "0.5")[0].startswith("--crop-pct: ")
     assert notes("--prof", "5") == []
-
+    # --resume auto (resolved to the file it found in --output-dir) used --output-dir
+    assert notes("--resume", os.path.join("out", "checkpoint.pth.tar"), "--output-dir", "out") == []
 
 
 def test_a_trace_or_csv_never_replaces_a_training_runs_file(cache_dir, capsys, tmp_path):

@@ -204,14 +204,18 @@ def test_digits_modern_recipe_reaches_95_percent(cache_dir, tmp_path):
         assert float(list(csv.DictReader(handle))[-1]["ema_top1"]) >= 90.0
 
 
-def test_synthetic_data_refuses_input_pipeline_flags(tmp_path):
-    """synthetic tensors skip decode, crop and workers: those flags are refused, by name; the
-    batch-level ingredients still apply; a synthetic run's stored values do not block its resume."""
+def test_synthetic_data_refuses_input_pipeline_flags(tmp_path, capsys):
+    """synthetic tensors skip decode, crop and workers: those flags typed are refused, by name (a
+    default value typed passes: it says what is true); a --config recipe's are named in a warning
+    (a recipe for real data still runs on synthetic tensors); the batch-level ingredients still
+    apply; a synthetic run's stored values do not block its resume."""
     with pytest.raises(UsageError, match=r"--hflip, -j/--workers, --aa: synthetic data is made on the device"):
         parse(["synthetic", "--hflip", "0.3", "-j", "1", "--aa", "ta_wide"])
-    recipe = write(tmp_path / "r.yaml", "crop-pct: 0.9\n")
-    with pytest.raises(UsageError, match="--crop-pct: synthetic data"):
-        parse(["synthetic", "--config", recipe])
+    assert parse(["synthetic", "--aa", "none", "-j", "0"]).aa == "none"
+    recipe = write(tmp_path / "r.yaml", "crop-pct: 0.9\naa: ta_wide\n")
+    capsys.readouterr()
+    assert parse(["synthetic", "--config", recipe]).crop_pct == 0.9
+    assert "warning: --config sets --crop-pct, --aa, which synthetic data" in capsys.readouterr().err
     assert parse(["synthetic", "--mixup", "0.2", "--reprob", "0.25", "-j", "0"]).mixup == 0.2
     state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
              "args": {"data": "synthetic", "min_scale": 0.08, "hflip": 0.5, "crop_pct": 0.875, "epochs": 1}}

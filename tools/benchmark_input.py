@@ -288,6 +288,13 @@ def main():
                         help="other copies of this project whose train.py runs each configuration too, "
                         "in the same rounds (an A/B of two versions on one machine start)")
     args = parser.parse_args()
+    # The runs start in the project folder (train.py's cwd): paths typed relative to the caller's
+    # folder are made absolute first.
+    args.data = os.path.abspath(args.data)
+    args.runs_dir = os.path.abspath(args.runs_dir)
+    args.out = os.path.abspath(args.out)
+    args.timm_train = os.path.abspath(args.timm_train) if args.timm_train else None
+    args.other_code = [os.path.abspath(code) for code in args.other_code]
     for code in args.other_code:
         if not os.path.isfile(os.path.join(code, "train.py")):
             parser.error(f"--other-code {code!r}: no train.py there; give a copy of this project "
@@ -342,7 +349,12 @@ def main():
             print(f"   {label}: {middle:.1f} ({low:.1f}-{high:.1f}, {count} of {args.repeat} rounds)"
                   + (f", {ratio}x plain" if ratio is not None else ""))
     print(f"=> written to {args.out}")
+    failed = [row for row in rows if row["note"] and not row["note"].startswith("not run")]
+    if failed:
+        print(f"=> {len(failed)} run(s) failed (their output is printed above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

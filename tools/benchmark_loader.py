@@ -29,6 +29,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from utils.data import check_image_folder  # noqa: E402
+from utils.errors import exit_on_usage_error  # noqa: E402
 from utils.files import atomic_write_csv  # noqa: E402
 
 LOADERS = ("cpu", "timm", "gpu-workers")
@@ -113,6 +115,10 @@ def main(argv=None):
     parser.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS))
     parser.add_argument("--out", help="CSV to write (rewritten after each row)")
     args = parser.parse_args(argv)
+    for flag, value, low in (("--rounds", args.rounds, 1), ("--batch-size", args.batch_size, 1),
+                             ("--image-size", args.image_size, 1), ("--workers", min(args.workers), 0)):
+        if value < low:
+            parser.error(f"{flag} {value}: at least {low}")
     if not 0 < args.warmup < args.batches:
         parser.error(f"--warmup {args.warmup} must be at least 1 and below --batches {args.batches}")
     if "timm" in args.loaders:
@@ -120,6 +126,7 @@ def main(argv=None):
             import timm.data  # noqa: F401
         except ImportError:
             parser.error("timm is not installed: pip install timm, or leave timm out of --loaders")
+    check_image_folder(args.data, ("train",))  # a UsageError: one line, exit 2
     torch.set_num_threads(1)
     rows = []
     print(f"cores {os.cpu_count()}, torch {torch.__version__}, batch {args.batch_size}, "
@@ -145,4 +152,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_usage_error(main))

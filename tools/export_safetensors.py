@@ -10,7 +10,8 @@ fp32), with no `module.` (DDP) or `_orig_mod.` (torch.compile) prefixes, so
     model.load_state_dict(safetensors.torch.load_file("resnet50.safetensors"), strict=True)
 
 works without this project. Its metadata (strings, as safetensors requires) names the arch,
-epoch, num_classes, best_prec1, opt_level and the class names (JSON, label order); read it with
+epoch, num_classes, best_prec1, opt_level, the class names (JSON, label order) and which weights
+they are (`weights`: model, or ema with --ema: the --model-ema average, state_dict_ema); read it with
 `safetensors.safe_open(path, "pt").metadata()`. The optimizer, loss scale and RNG state are
 training state and are left out. Written atomically: a kill never leaves half a file.
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the projec
 from utils.checkpoint import load_checkpoint  # noqa: E402
 from utils.cli import OneLineErrorParser  # noqa: E402
 from utils.errors import UsageError, exit_on_usage_error  # noqa: E402
-from utils.files import atomic_write  # noqa: E402
+from utils.files import atomic_write, output_file_problem  # noqa: E402
 
 # Wrappers whose attribute name ends up in front of every key: DDP, torch.compile's OptimizedModule.
 PREFIXES = ("module.", "_orig_mod.")
@@ -54,23 +55,25 @@ def export_tensors(state_dict):
     return tensors
 
 
-def export_metadata(checkpoint):
+def export_metadata(checkpoint, weights="model"):
     classes = checkpoint.get("classes")
     num_classes = checkpoint.get("num_classes") or (len(classes) if classes else None)
     fields = {"format": "pt",  # what Hugging Face / timm loaders expect of a torch safetensors file
               "arch": checkpoint["arch"], "epoch": checkpoint["epoch"], "num_classes": num_classes,
               "best_prec1": checkpoint.get("best_prec1"), "opt_level": checkpoint.get("opt_level"),
-              "classes": json.dumps(list(classes)) if classes else None}
+              "classes": json.dumps(list(classes)) if classes else None, "weights": weights}
     return {key: str(value) for key, value in fields.items() if value is not None}
 
 
-def export(checkpoint_path, out_path):
-    """Write out_path; returns (number of tensors, metadata)."""
+def export(checkpoint_path, out_path, ema=False):
+    """Write out_path (the EMA weights with ema); returns (number of tensors, metadata)."""
     import safetensors.torch
 
     checkpoint = load_checkpoint(checkpoint_path)
-    tensors = export_tensors(checkpoint["state_dict"])
-    metadata = export_metadata(checkpoint)
+    if ema and "state_dict_ema" not in checkpoint:
+        raise UsageError(f"--ema: checkpoint {checkpoint_path!r} holds no EMA weights (train with --model-ema)")
+    tensors = export_tensors(checkpoint["state_dict_ema" if ema else "state_dict"])
+    metadata = export_metadata(checkpoint, "ema" if ema else "model")
     atomic_write(out_path, safetensors.torch.save(tensors, metadata=metadata), fsync=True)
     return len(tensors), metadata
 
@@ -80,12 +83,16 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.pth.tar or model_best.pth.tar")
     parser.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    parser.add_argument("--ema", action="store_true", help="export the --model-ema weights (state_dict_ema)")
     args = parser.parse_args(argv)
     if not args.out.endswith(".safetensors"):
         raise UsageError(f"the output name should end in .safetensors, got {args.out!r}")
-    count, metadata = export(args.checkpoint, args.out)
-    print(f"=> wrote {count} tensors of {metadata['arch']} (epoch {metadata['epoch']}, "
-          f"{metadata.get('num_classes', '?')} classes) to {args.out}")
+    problem = output_file_problem(args.out)
+    if problem:
+        raise UsageError(f"cannot write {args.out!r}: {problem}; choose another file")
+    count, metadata = export(args.checkpoint, args.out, args.ema)
+    print(f"=> wrote {count} tensors of {metadata['arch']} ({metadata['weights']} weights, epoch "
+          f"{metadata['epoch']}, {metadata.get('num_classes', '?')} classes) to {args.out}")
 
 
 if __name__ == "__main__":

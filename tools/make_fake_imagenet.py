@@ -123,6 +123,17 @@ def main():
                              "(default: 1000; 0: none)")
     parser.add_argument("--seed", type=int, default=0, help="content seed (default: 0)")
     args = parser.parse_args()
+    for flag, value, low in (("--classes", args.classes, 1), ("--train-per-class", args.train_per_class, 1),
+                             ("--val-per-class", args.val_per_class, 1), ("--jobs", args.jobs, 1),
+                             ("--width", args.width, 16), ("--height", args.height, 16),
+                             ("--quality", args.quality, 1), ("--odd-every", args.odd_every, 0)):
+        if value < low:
+            parser.error(f"{flag} {value}: at least {low}")
+    if not 0 <= args.size_jitter < 1:
+        parser.error(f"--size-jitter {args.size_jitter}: from 0 up to (not including) 1")
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        parser.error(f"{args.out!r} exists and is not an empty folder: new files would mix with what it holds; "
+                     "give a new folder (or remove that one)")
     jobs = [(args.out, "train", c, args.train_per_class, args) for c in range(args.classes)]
     jobs += [(args.out, "val", c, args.val_per_class, args) for c in range(args.classes)]
     with ProcessPoolExecutor(args.jobs) as pool:

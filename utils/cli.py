@@ -37,6 +37,16 @@ def source_kind(data):
     return "imagefolder"
 
 
+def absolute_data(data):
+    """DATA as a checkpoint stores it: a folder (hf:DIR too) as an absolute path, so that eval.py
+    or a resume started from another working directory reads the same data, not a namesake there;
+    names (digits, synthetic, hf:NAME of the hub cache) as they are."""
+    if data in (None, "digits", "synthetic"):
+        return data
+    prefix, path = ("hf:", data[3:]) if data.startswith("hf:") else ("", data)
+    return prefix + os.path.abspath(path) if path and os.path.exists(path) else data
+
+
 def apply_source_defaults(args, model_config=None):
     """Fill flags left at None: first the digits demo's own sizes and schedule (digits is small and
     grey), then the model's data config (a timm model's input size, crop pct, interpolation,

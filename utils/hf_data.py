@@ -207,11 +207,25 @@ class HFImages(torch.utils.data.Dataset):
             image = row[self.image_column]
             if image is None:
                 raise ValueError("the row has no image")
+            if isinstance(image, dict):  # an Image(decode=False) column: {"bytes": ..., "path": ...}
+                image = undecoded_image(image)
             image = as_rgb(image)  # grey, CMYK or RGBA images, as ImageFolder's loader does
         except (OSError, ValueError, SyntaxError) as err:
             raise UnreadableInput(f"cannot read image {index} of {self.where} ({first_line(err)}); fix or "
-                             "drop that row") from None
+                                  "drop that row") from None
         return (image if self.transform is None else self.transform(image)), row[self.label_column]
+
+
+def undecoded_image(cell):
+    """The PIL image of an Image(decode=False) cell: its bytes, else the file at its path."""
+    import io
+
+    from PIL import Image
+    if cell.get("bytes"):
+        return Image.open(io.BytesIO(cell["bytes"]))
+    if cell.get("path"):
+        return Image.open(cell["path"])
+    raise ValueError("the row's image holds neither bytes nor a path")
 
 
 def build_hf_data(args, accelerator, mean, std, train=True):

@@ -63,13 +63,16 @@ def parse_flags(parser, argv=None):
         raise UsageError("--pretrained and --resume both give the starting weights (the checkpoint's would replace "
                          "the pretrained ones); drop --pretrained")
     keep_bn_default = parser.get_default("keep_batchnorm_fp32")  # before the checkpoint's replaces it
+    pipeline_defaults = {dest: parser.get_default(dest) for dest in PIPELINE_FLAGS}  # and the --config's
     if stored:
         parser.set_defaults(**stored)
     configured = load_config(parser, first.config) if first.config else {}
     parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
-    reject_pipeline_flags(args, typed | set(configured))
+    for note in reject_pipeline_flags(args, typed, configured, pipeline_defaults):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(note, file=sys.stderr, flush=True)
     inherited_keep_bn = "keep_batchnorm_fp32" in stored and "keep_batchnorm_fp32" not in typed | set(configured)
     if inherited_keep_bn and "opt_level" in typed and args.opt_level != stored.get("opt_level"):
         args.keep_batchnorm_fp32 = keep_bn_default  # the stored choice was for another level
@@ -93,16 +96,25 @@ PIPELINE_FLAGS = {"min_scale": "--min-scale", "hflip": "--hflip", "crop_pct": "-
                   "interpolation": "--interpolation", "workers": "-j/--workers", "aa": "--aa"}
 
 
-def reject_pipeline_flags(args, asked):
-    """synthetic DATA with input-pipeline flags typed or in --config: a usage error naming them
-    (-j 0 says what is true and passes; a resumed synthetic run's stored values are not asked for)."""
+def reject_pipeline_flags(args, typed, configured=(), defaults=None):
+    """synthetic DATA with input-pipeline flags typed: a usage error naming them (-j 0, or a value
+    equal to the default, says what is true and passes; a resumed synthetic run's stored values are
+    not asked for). In a --config file (a recipe written for real data) they are only named: the
+    returned lines warn that they have no effect here."""
     if source_kind(args.data) != "synthetic":
-        return
-    asked = asked - ({"workers"} if args.workers == 0 else set())
+        return []
+    defaults = defaults or {}
+    asked = {dest for dest in typed if getattr(args, dest, None) != defaults.get(dest, object())}
+    asked -= {"workers"} if args.workers == 0 else set()
     given = [flag for dest, flag in PIPELINE_FLAGS.items() if dest in asked]
     if given:
         raise UsageError(f"{', '.join(given)}: synthetic data is made on the device, with no decode, crop or "
                          f"loader workers; drop {'it' if len(given) == 1 else 'them'}")
+    from_config = [flag for dest, flag in PIPELINE_FLAGS.items() if dest in set(configured) - set(typed)]
+    if from_config:
+        return [f"warning: --config sets {', '.join(from_config)}, which synthetic data (made on the device, "
+                "with no decode, crop or loader workers) does not use"]
+    return []
 
 
 def _shown(value):
@@ -471,6 +483,12 @@ def build_or_resume(args, accelerator, recipe, num_classes, classes=None):
     model, optimizer, precision = build_training_state(args, accelerator, recipe, num_classes, checkpoint)
     if checkpoint is None:
         return model, optimizer, precision, 0.0, None
+    stored_opt = (checkpoint.get("args") or {}).get("opt", "sgd")
+    if stored_opt != getattr(args, "opt", "sgd"):  # another optimizer's state loads, then fails at step 1
+        raise UsageError(f"checkpoint {args.resume!r} was trained with --opt {stored_opt}, this run builds "
+                         f"--opt {getattr(args, 'opt', 'sgd')}: its optimizer state does not carry over; "
+                         f"resume with --opt {stored_opt}" + ("" if hasattr(args, "opt") else
+                                                              " (profile.py profiles SGD runs only)"))
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError) as err:
