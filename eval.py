@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from utils.checkpoint import load_checkpoint, load_model_weights
+from utils.checkpoint import checkpoint_weights, load_checkpoint, load_model_weights
 from utils.cli import (FlagSafeHelpFormatter, OneLineErrorParser, OnlyTyped, add_data_args, add_datasets_args,
                        add_precision_args, add_run_args, positive_int)
 from utils.compiled import compile_model
@@ -269,11 +269,6 @@ def check_classes(data, checkpoint, args):
                          f"{args.num_classes}; evaluate on the data it was trained on")
 
 
-def weights_key(args):
-    """The checkpoint entry eval.py scores: the model's weights, or the EMA's with --ema."""
-    return "state_dict_ema" if args.ema else "state_dict"
-
-
 def best_line(checkpoint):
     """'best Prec@1 X' as the checkpoint counted it: of the EMA weights under --model-ema-best."""
     judged = " (of the EMA weights: --model-ema-best)" if (checkpoint.get("args") or {}).get("model_ema_best") else ""
@@ -287,7 +282,7 @@ def build_eval_model(args, accelerator, recipe, checkpoint):
         model = build_model(args.arch, args.num_classes, pretrained=True)
     else:
         model = build_model(args.arch, args.num_classes)
-        load_model_weights(model, checkpoint[weights_key(args)], args.arch, args.resume)
+        load_model_weights(model, checkpoint_weights(checkpoint, args.resume, args.ema), args.arch, args.resume)
     check_input_size(model, args.arch, args.image_size)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(accelerator.device, memory_format=memory_format)
@@ -401,9 +396,8 @@ def main(argv=None):
     args, checkpoint = parse_eval_args(argv)
     if args.predictions and args.data == "synthetic":
         raise UsageError("--predictions needs real images; synthetic data has none to name: drop it")
-    if args.ema and (checkpoint is None or "state_dict_ema" not in checkpoint):
-        raise UsageError("--ema: " + ("--pretrained weights have no EMA" if checkpoint is None else
-                                      f"checkpoint {args.resume!r} holds no EMA weights (train with --model-ema)"))
+    if args.ema and checkpoint is None:
+        raise UsageError("--ema: --pretrained weights have no EMA (it names a --resume checkpoint's)")
     if args.predictions and args.results_file and os.path.abspath(args.predictions) == os.path.abspath(args.results_file):
         raise UsageError(f"--results-file and --predictions name the same file {args.predictions!r}; the second "
                          "would replace the first: give two names")

@@ -238,11 +238,11 @@ def planned_runs(args, cuda):
                 source = ["synthetic"] if backend == "synthetic" else [args.data, "-j", str(workers),
                                                                        "--data-backend", backend]
                 for code in [ROOT, *args.other_code]:
-                    name = "train.py" if code == ROOT else f"train.py ({os.path.basename(os.path.abspath(code))})"
+                    name = "train.py" if code == ROOT else f"train.py ({os.path.basename(code)})"
                     out = os.path.join(args.runs_dir, f"bench-{backend}-{decoder}-{workers}-{compile_}"
-                                               + ("" if code == ROOT else f"-{os.path.basename(os.path.abspath(code))}"))
+                                               + ("" if code == ROOT else f"-{os.path.basename(code)}"))
                     runs.append(Run("train", name, backend, decoder, 0 if backend == "synthetic" else workers,
-                                    compile_, [sys.executable, os.path.join(os.path.abspath(code), "train.py"),
+                                    compile_, [sys.executable, os.path.join(code, "train.py"),
                                                *source, *common, *compile_flags(compile_),
                                                *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]))
         if args.timm_train:
@@ -299,8 +299,8 @@ def main():
         if not os.path.isfile(os.path.join(code, "train.py")):
             parser.error(f"--other-code {code!r}: no train.py there; give a copy of this project "
                          "(e.g. git archive REV | tar -x -C DIR)")
-    names = [os.path.basename(os.path.abspath(code)) for code in args.other_code]
-    if len(set(names)) < len(names) or ROOT in map(os.path.abspath, args.other_code):
+    names = [os.path.basename(code) for code in args.other_code]
+    if len(set(names)) < len(names) or ROOT in args.other_code:
         parser.error("--other-code: give folders with different names, none of them this copy (rows are named by folder)")
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: a run needs at least one epoch (2 or more leave start-up out)")

@@ -22,7 +22,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
-from utils.checkpoint import load_checkpoint  # noqa: E402
+from utils.checkpoint import checkpoint_weights, load_checkpoint  # noqa: E402
 from utils.cli import OneLineErrorParser  # noqa: E402
 from utils.errors import UsageError, exit_on_usage_error  # noqa: E402
 from utils.files import atomic_write, output_file_problem  # noqa: E402
@@ -70,9 +70,7 @@ def export(checkpoint_path, out_path, ema=False):
     import safetensors.torch
 
     checkpoint = load_checkpoint(checkpoint_path)
-    if ema and "state_dict_ema" not in checkpoint:
-        raise UsageError(f"--ema: checkpoint {checkpoint_path!r} holds no EMA weights (train with --model-ema)")
-    tensors = export_tensors(checkpoint["state_dict_ema" if ema else "state_dict"])
+    tensors = export_tensors(checkpoint_weights(checkpoint, checkpoint_path, ema))
     metadata = export_metadata(checkpoint, "ema" if ema else "model")
     atomic_write(out_path, safetensors.torch.save(tensors, metadata=metadata), fsync=True)
     return len(tensors), metadata

@@ -58,6 +58,14 @@ def save_checkpoint(state, is_best, output_dir, keep=0):
     return written
 
 
+def checkpoint_weights(checkpoint, path, ema=False):
+    """The state_dict eval.py and the export take: the model's, or with ema the --model-ema
+    average (state_dict_ema), refused in one line where the run kept none."""
+    if ema and "state_dict_ema" not in checkpoint:
+        raise UsageError(f"--ema: checkpoint {path!r} holds no EMA weights (train with --model-ema)")
+    return checkpoint["state_dict_ema" if ema else "state_dict"]
+
+
 def best_on_disk(output_dir):
     """The best_prec1 of the model_best.pth.tar in output_dir, or None (none there, or unreadable).
     A run resumed from an older checkpoint starts from that one's best; the file already there may

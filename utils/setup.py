@@ -70,9 +70,7 @@ def parse_flags(parser, argv=None):
     parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
-    for note in reject_pipeline_flags(args, typed, configured, pipeline_defaults):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(note, file=sys.stderr, flush=True)
+    warnings = reject_pipeline_flags(args, typed, configured, pipeline_defaults)
     inherited_keep_bn = "keep_batchnorm_fp32" in stored and "keep_batchnorm_fp32" not in typed | set(configured)
     if inherited_keep_bn and "opt_level" in typed and args.opt_level != stored.get("opt_level"):
         args.keep_batchnorm_fp32 = keep_bn_default  # the stored choice was for another level
@@ -87,6 +85,8 @@ def parse_flags(parser, argv=None):
     if int(os.environ.get("RANK", 0)) == 0:
         for line in lines:
             print(line, flush=True)
+        for line in warnings:
+            print(line, file=sys.stderr, flush=True)
     return args
 
 
