@@ -419,6 +419,25 @@ def test_corrupt_file_is_a_usage_error_naming_it(tmp_path):
         ByteSamples([(str(truncated), 0)], TrainBoxes(0, 0.08, 0.5))[(0, 0)]
 
 
+def test_an_image_pil_refuses_as_a_decompression_bomb_is_a_usage_error_naming_it(tmp_path):
+    """PIL refuses at open an image over twice Image.MAX_IMAGE_PIXELS with DecompressionBombError,
+    which is no OSError: every reader (cpu train crop, val loader, gpu backend's workers) must still
+    name the file in the one-line error, not end the run with a worker's traceback."""
+    from utils.data import image_folder
+    from utils.batches import val_transform
+    folder = tmp_path / "val" / "a"
+    folder.mkdir(parents=True)
+    big = folder / "huge.png"
+    side = int((2 * Image.MAX_IMAGE_PIXELS) ** 0.5) + 2  # 1-bit and blank: a 22 kB file
+    Image.new("1", (side, side)).save(big, optimize=True)
+    with pytest.raises(UsageError, match="huge.png"):
+        rgb_pixels(big)
+    with pytest.raises(UsageError, match="huge.png"):
+        ByteSamples([(str(big), 0)], TrainBoxes(0, 0.08, 0.5))[(0, 0)]
+    with pytest.raises(UsageError, match="huge.png"):
+        image_folder(str(tmp_path), "val", val_transform(SIZE, 0.875))[0]
+
+
 def garbled_scan(jpeg):
     """The JPEG with its scan data replaced by garbage and an EOI: the header still says GPU."""
     start = jpeg.find(b"\xff\xda")

@@ -18,7 +18,7 @@ from .crops import CpuTrainCrop
 from .digits import ensure_digits
 from .errors import UnreadableInput, UsageError
 from .hf_data import build_hf_data, reject_dataset_flags
-from .image_files import rgb_pixels
+from .image_files import UNREADABLE_IMAGE, rgb_pixels
 
 SYNTHETIC_STEPS = 100
 SYNTHETIC_VAL_STEPS = 10
@@ -143,7 +143,7 @@ class SafeImageFolder(tv_datasets.ImageFolder):
         path = self.samples[index][0]
         try:
             return super().__getitem__(index)
-        except (OSError, ValueError, SyntaxError) as err:
+        except UNREADABLE_IMAGE as err:
             raise UnreadableInput(f"cannot read image {path!r} ({err}); remove or replace that file") from None
 
 

@@ -23,6 +23,7 @@ import torch
 
 from .batches import as_rgb, sharded_data, train_transform, val_transform
 from .errors import UnreadableInput, UsageError, first_line
+from .image_files import UNREADABLE_IMAGE
 
 VAL_SPLIT_NAMES = ("validation", "val", "valid")  # "test" is left out: hub test splits are often unlabelled
 LABEL_COLUMN_NAMES = ("label", "labels", "target")
@@ -210,7 +211,7 @@ class HFImages(torch.utils.data.Dataset):
             if isinstance(image, dict):  # an Image(decode=False) column: {"bytes": ..., "path": ...}
                 image = undecoded_image(image)
             image = as_rgb(image)  # grey, CMYK or RGBA images, as ImageFolder's loader does
-        except (OSError, ValueError, SyntaxError) as err:
+        except UNREADABLE_IMAGE as err:
             raise UnreadableInput(f"cannot read image {index} of {self.where} ({first_line(err)}); fix or "
                                   "drop that row") from None
         return (image if self.transform is None else self.transform(image)), row[self.label_column]

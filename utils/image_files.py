@@ -25,6 +25,10 @@ SOF_OTHER = {0xC2: "progressive", 0xC6: "progressive", 0xC3: "lossless", 0xC7: "
              0xC5: "hierarchical", 0xC9: "arithmetic", 0xCA: "arithmetic", 0xCB: "arithmetic",
              0xCD: "arithmetic", 0xCE: "arithmetic", 0xCF: "arithmetic"}
 STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
+# What PIL raises for a file it cannot decode. DecompressionBombError (an image over twice
+# Image.MAX_IMAGE_PIXELS, refused at open) is a plain Exception, not an OSError: without it such a
+# file ended the run with a loader worker's traceback instead of the message naming the file.
+UNREADABLE_IMAGE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 def jpeg_header(data):
@@ -115,7 +119,7 @@ def pil_rgb(data, name):
     try:
         with Image.open(io.BytesIO(data)) as image:
             return np.asarray(image.convert("RGB"))
-    except (OSError, ValueError, SyntaxError) as err:
+    except UNREADABLE_IMAGE as err:
         raise UnreadableInput(f"cannot read image {str(name)!r} ({err}); remove or replace that file") from None
 
 
