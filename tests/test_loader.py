@@ -86,6 +86,40 @@ def test_each_sample_draws_the_same_torch_numbers_whatever_ran_before(tiny_folde
     assert torch.equal(draws[0], torch.rand(2))
 
 
+def test_a_sample_made_in_the_training_process_leaves_its_global_generators_alone(tiny_folder):
+    """With -j 0 the samples are made in the training process, after the step seeded torch's,
+    Python's and NumPy's generators for random erasing, mixup and dropout: making a sample (an
+    --aa policy reseeds all three) must leave them where they were."""
+    import random
+    from utils.recipe import augment_transform
+    extra = augment_transform("rand-m9-mstd0.5", 16, (0.5,) * 3)
+    samples = SeededSamples(image_folder(tiny_folder, "train", train_transform(16, 0.5, 0.5)), seed=3, extra=extra)
+
+    def draws():
+        return torch.rand(3).tolist(), random.random(), np.random.rand()
+
+    torch.manual_seed(11), random.seed(11), np.random.seed(11)
+    expected = draws()
+    torch.manual_seed(11), random.seed(11), np.random.seed(11)
+    samples[(4, 1)]
+    assert draws() == expected
+
+
+def test_loss_with_random_erasing_is_the_same_whatever_the_worker_count(tiny_folder, tmp_path):
+    """--reprob draws its noise from torch's CPU generator after the step seeded it: -j 0, where
+    the loader runs in the training process, printed other losses than -j 1."""
+    def losses(workers):
+        result = run_script("train.py", tiny_folder, "-a", "resnet18", "--image-size", "32", "-j", workers,
+                            "-b", "4", "--epochs", "1", "--steps-per-epoch", "2", "-p", "1", "--reprob", "1.0",
+                            "--output-dir", tmp_path / f"j{workers}", env={"OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-2000:]
+        lines = [line.split("Loss ")[1].split()[0] for line in result.stdout.splitlines() if line.startswith("Epoch:")]
+        assert len(lines) == 2, result.stdout
+        return lines
+
+    assert losses(0) == losses(1)
+
+
 def test_loader_benchmark_writes_a_row_per_loader(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, per_class=12, size=(64, 48), splits=("train",))
     out = tmp_path / "loader.csv"

@@ -8,7 +8,9 @@ resumed run sees the same crops as an uninterrupted one, whatever the worker or 
 The sources (utils/data.py, utils/hf_data.py) hand sharded_data() map-style datasets of
 (PIL image, label); they import this module, and it imports none of them.
 """
+import contextlib
 import math
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +68,15 @@ class SeededSamples(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
+        if torch.utils.data.get_worker_info() is not None:
+            return self._sample(key)
+        # -j 0: the sample is made in the training process, whose global generators the step
+        # seeded from (seed, epoch, step, rank) for random erasing, mixup and dropout on the CPU.
+        # Left reseeded by the last sample they made those draws depend on the worker count.
+        with kept_global_rngs():
+            return self._sample(key)
+
+    def _sample(self, key):
         index, epoch = key
         # The CPU generator only: the transforms here draw from nothing else, and torch.manual_seed
         # (which also visits every accelerator backend) costs 0.3 ms a sample, as much as a resize.
@@ -75,6 +86,18 @@ class SeededSamples(torch.utils.data.Dataset):
         if self.extra is not None:  # the policies take PIL images
             image = self.extra(Image.fromarray(image.numpy()))
         return image, label
+
+
+@contextlib.contextmanager
+def kept_global_rngs():
+    """torch's CPU generator, Python's and NumPy's as they were before the block."""
+    states = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
 
 
 class ShardedEpochSampler(torch.utils.data.Sampler):
