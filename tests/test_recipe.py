@@ -117,6 +117,27 @@ def test_augment_policies_change_pil_images_repeatably(policy):
     assert np.array_equal(again, outputs[3]), "the same torch seed must give the same augmentation"
 
 
+@pytest.mark.parametrize("policy", ["rand-m9-mstd0.5-inc1", "v0"])
+def test_policies_that_posterize_to_zero_bits_run(policy):
+    """The README's --aa example and AutoAugment v0 ask for posterize with 0 bits kept, which
+    Pillow (>= 11) refuses: such a draw must give the black image older Pillow gave, not stop the run."""
+    transform = augment_transform(policy, 32, (0.485, 0.456, 0.406))
+    image = photo()
+    for seed in range(200):  # rand-m9-mstd0.5-inc1 draws a 0-bit posterize within ~30 images
+        torch.manual_seed(seed)
+        assert transform(image).size == image.size
+
+
+def test_zero_bit_posterize_is_black_and_others_are_pillows():
+    from PIL import ImageOps
+
+    from utils.recipe import posterize_keeping
+    image = photo()
+    assert not np.asarray(posterize_keeping(image, 0)).any()
+    assert np.array_equal(np.asarray(posterize_keeping(image, 3)), np.asarray(ImageOps.posterize(image, 3)))
+    assert posterize_keeping(image, 8) is image
+
+
 def test_bad_policy_and_none():
     assert augment_transform("none", 32, (0.5,) * 3) is None and augment_transform(None, 32, (0.5,) * 3) is None
     with pytest.raises(UsageError, match="--aa 'rand-q7'"):

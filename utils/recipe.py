@@ -125,7 +125,31 @@ def augment_transform(aa, image_size, mean, interpolation="bilinear"):
         raise UsageError(f"--aa {aa!r} is not a policy timm knows ({type(err).__name__}: {err}); e.g. "
                          "rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, v0, original, or ta_wide for "
                          "TrivialAugmentWide, or none") from None
-    return TorchSeeded(transform)
+    return TorchSeeded(zero_bit_posterize_safe(transform))
+
+
+def posterize_keeping(image, bits_to_keep, **_):
+    """timm's posterize, except that keeping 0 bits gives a black image, as Pillow did before 11:
+    Pillow now raises ValueError for 0 bits, which timm's policies ask for (PosterizeIncreasing
+    at magnitude >= 7.5, so rand-m9-mstd0.5-inc1; Posterize at low levels, so v0), and the run
+    would stop with a traceback from a loader worker in its first steps."""
+    from PIL import Image, ImageOps
+    if bits_to_keep >= 8:
+        return image
+    if bits_to_keep <= 0:
+        return Image.new(image.mode, image.size)
+    return ImageOps.posterize(image, bits_to_keep)
+
+
+def zero_bit_posterize_safe(transform):
+    """Point the posterize ops of a timm RandAugment / AugMix (.ops) or AutoAugment (.policy, a
+    list of sub-policies) at posterize_keeping."""
+    from timm.data import auto_augment
+    ops = list(getattr(transform, "ops", ())) + [op for sub in getattr(transform, "policy", ()) for op in sub]
+    for op in ops:
+        if op.aug_fn is auto_augment.posterize:
+            op.aug_fn = posterize_keeping
+    return transform
 
 
 def build_random_erasing(reprob, device, mode="pixel", count=1):
