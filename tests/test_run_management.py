@@ -33,6 +33,20 @@ def test_config_sets_flags_and_the_command_line_wins(tmp_path):
     assert parse([]).lr == 0.1  # nothing leaks from one parser to the next
 
 
+def test_a_typed_lr_schedule_replaces_the_files_step_milestones(tmp_path):
+    """A recipe's lr-steps belong to its step schedule: --lr-schedule cosine typed over the Apex
+    file trains cosine (it was refused, asking to drop an --lr-steps nobody typed)."""
+    apex = os.path.join(ROOT, "configs", "apex_resnet50_90ep.yaml")
+    args = parse(["--config", apex, "--lr-schedule", "cosine"])
+    assert args.lr_schedule == "cosine" and args.lr == 0.1 and args.epochs == 90
+    assert parse(["--config", apex, "--lr-schedule", "step"]).lr_steps == [30, 60, 80]
+    with pytest.raises(UsageError, match="--lr-steps applies to --lr-schedule step"):
+        parse(["--config", apex, "--lr-schedule", "cosine", "--lr-steps", "10"])  # typed: still a conflict
+    both = write(tmp_path / "r.yaml", "lr-schedule: cosine\nlr-steps: [3, 6]\n")
+    with pytest.raises(UsageError, match="--lr-steps applies to --lr-schedule step"):
+        parse(["--config", both])  # a file that contradicts itself
+
+
 def test_shipped_configs_hold_only_real_flags(tmp_path):
     from utils.cli import load_config
     parser = add_log_args(build_parser("train"))

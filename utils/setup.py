@@ -74,6 +74,8 @@ def parse_flags(parser, argv=None):
     inherited_keep_bn = "keep_batchnorm_fp32" in stored and "keep_batchnorm_fp32" not in typed | set(configured)
     if inherited_keep_bn and "opt_level" in typed and args.opt_level != stored.get("opt_level"):
         args.keep_batchnorm_fp32 = keep_bn_default  # the stored choice was for another level
+    if args.lr_schedule != "step" and "lr_schedule" in typed and "lr_steps" in set(configured) - typed:
+        args.lr_steps = None  # the file's milestones belong to its step schedule, which the typed one replaced
     if stored:
         if args.lr_schedule != "step" and args.lr_steps == stored.get("lr_steps"):
             args.lr_steps = None  # a resolved step schedule's milestones mean nothing to another schedule
