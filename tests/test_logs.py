@@ -84,6 +84,19 @@ def test_run_directory_after_a_short_demo_and_a_resume(cache_dir, tmp_path):
     assert yaml.safe_load((out / "args.yaml").read_text())["start_epoch"] == 2
 
 
+def test_a_run_resumed_into_a_new_directory_keeps_the_earlier_rows(cache_dir, tmp_path):
+    """--resume OLD/checkpoint.pth.tar --output-dir NEW: NEW/summary.csv (and curves.png) still
+    cover the whole run, taking the epochs before the resumed one from OLD/summary.csv."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    first = run_script("train.py", "--epochs", "1", *DEMO, "--output-dir", old)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_script("train.py", "--epochs", "2", "--resume", old / "checkpoint.pth.tar", "--output-dir", new)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _, before = read_summary(old / "summary.csv")
+    _, after = read_summary(new / "summary.csv")
+    assert [row["epoch"] for row in after] == ["0", "1"] and after[0] == before[0]
+
+
 def run_on_terminal(argv, stdout=None):
     """Run a command with stderr (and stdout unless given) on a pseudo-terminal of 120 columns;
     returns (exit code, what the terminal showed)."""

@@ -140,13 +140,22 @@ class RunLog:
         self.curves = os.path.join(self.dir, "curves.png")
         self.title = f"{args.arch} on {args.data or 'digits'}"
         if args.start_epoch > 0:
-            self.rows = [row for row in read_summary(self.summary) if row["epoch"] < args.start_epoch]
+            self.rows = [row for row in read_summary(self.history()) if row["epoch"] < args.start_epoch]
         if getattr(args, "log_with", "none") != "none":
             os.makedirs(self.dir, exist_ok=True)  # wandb.init(dir=...) wants it to exist
             # TensorBoard's hparams take only numbers, text and booleans
             config = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
                       for name, value in self.settings().items()}
             accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"dir": self.dir}})
+
+    def history(self):
+        """The summary.csv holding the epochs before a resumed one: this run directory's, or, for a
+        checkpoint resumed from another directory into a new --output-dir, the one beside the
+        checkpoint (else the new directory's summary.csv would start at the resumed epoch)."""
+        resume = getattr(self.args, "resume", "")
+        if os.path.isfile(self.summary) or not resume:
+            return self.summary
+        return os.path.join(os.path.dirname(os.path.abspath(resume)), "summary.csv")
 
     def epoch(self, epoch, train, val, optimizer, ema=None):
         """Record one epoch: train, val (and ema, the --model-ema validation, else None) are
