@@ -67,6 +67,7 @@ def test_shipped_configs_hold_only_real_flags(tmp_path):
     ("model-ema: 3\n", ["'model-ema'", "true or false"]),
     ("wd: 0.1\nweight_decay: 0.2\n", ["already set", "--wd"]),
     ("- lr\n", ["mapping"]),
+    ("lr-steps: []\n", ["'lr-steps'", "one or more values"]),  # as the bare --lr-steps: not "never decay"
 ])
 def test_bad_config_keys_and_values_are_refused(tmp_path, text, needles):
     recipe = write(tmp_path / "r.yaml", text)

@@ -507,6 +507,8 @@ def _convert(action, value, where):
         return None
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
         items = value if isinstance(value, list) else [value]
+        if action.nargs == "+" and not items:  # argparse refuses the bare flag; [] would mean "no milestones"
+            raise UsageError(f"{where}: {flag_name(action)} takes one or more values, got []")
         return [_convert_one(action, item, where) for item in items]
     if isinstance(value, (list, dict)):
         raise UsageError(f"{where}: {flag_name(action)} takes one value, got {value!r}")
