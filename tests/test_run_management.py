@@ -10,6 +10,7 @@ from test_train import losses, one_error_line
 from utils.checkpoint import kept_checkpoints, save_checkpoint
 from utils.cli import add_log_args, build_parser
 from utils.errors import UsageError, exit_on_usage_error
+from utils.recipe import check_ingredient_flags
 from utils.setup import parse_args
 
 
@@ -31,6 +32,35 @@ def test_config_sets_flags_and_the_command_line_wins(tmp_path):
     args = parse(["--config", recipe, "--lr", "0.05", "-b", "8"])
     assert (args.lr, args.batch_size, args.weight_decay) == (0.05, 8, 5e-5)
     assert parse([]).lr == 0.1  # nothing leaks from one parser to the next
+
+
+def test_a_recipes_switch_can_be_turned_off_on_the_command_line(tmp_path):
+    """Typed flags beat the file for switches too: --model-ema False over a recipe's model-ema: true."""
+    recipe = write(tmp_path / "r.yaml", "model-ema: true\nno-wd-norm-bias: true\ndeterministic: true\n")
+    args = parse(["--config", recipe])
+    assert (args.model_ema, args.no_wd_norm_bias, args.deterministic) == (True, True, True)
+    args = parse(["--config", recipe, "--model-ema", "False", "--no-wd-norm-bias=false", "--deterministic", "0"])
+    assert (args.model_ema, args.no_wd_norm_bias, args.deterministic) == (False, False, False)
+    ema = write(tmp_path / "ema.yaml", "model-ema: true\nmodel-ema-decay: 0.98\nmodel-ema-best: true\n")
+    args = parse(["--config", ema, "--model-ema", "False"])  # the file's EMA options go with the EMA
+    check_ingredient_flags(args)
+    assert (args.model_ema, args.model_ema_decay, args.model_ema_best) == (False, 0.9998, False)
+    with pytest.raises(UsageError, match="need --model-ema"):  # typed, they are still refused
+        check_ingredient_flags(parse(["--config", ema, "--model-ema", "False", "--model-ema-decay", "0.9"]))
+
+
+@pytest.mark.parametrize("argv", [["--compile", "DIR"], ["--deterministic", "DIR", "--sync_bn"],
+                                  ["--determ", "DIR"], ["--channels-last", "DIR", "--pretrained"],
+                                  ["--model-ema", "DIR", "-b", "8"]])
+def test_a_switch_alone_before_data_is_true_and_leaves_data_alone(tmp_path, argv):
+    """A switch takes an optional True|False, yet `--compile /data/imagenet` is the switch and then
+    DATA (argparse alone read the path as the switch's value and refused it)."""
+    args = parse([str(tmp_path) if arg == "DIR" else arg for arg in argv])
+    assert args.data == str(tmp_path)
+    typed = {arg.lstrip("-").replace("-", "_") for arg in argv if arg.startswith("--")}
+    typed = {"deterministic" if name == "determ" else name for name in typed}
+    for name in typed:
+        assert getattr(args, name) in (True, "inductor"), name  # --compile resolves to its backend
 
 
 def test_a_typed_lr_schedule_replaces_the_files_step_milestones(tmp_path):

@@ -75,6 +75,48 @@ class OneLineErrorParser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(bare_switches(self, sys.argv[1:] if args is None else args), namespace)
+
+
+def add_switch(group, *names, help):
+    """A flag that is True alone and also takes True|False, so that a --config recipe's true can
+    be turned off on the command line (--model-ema False), as --channels-last False always could."""
+    return group.add_argument(*names, type=str2bool, nargs="?", const=True, default=False, metavar="True|False",
+                              help=help)
+
+
+def bare_switches(parser, argv):
+    """argv with each switch that is followed by something other than True|False written as
+    --switch=True: argparse would otherwise take the next word as its value (--compile /data/imagenet)."""
+    switches = {option for action in parser._actions if action.type is str2bool and action.nargs == "?"
+                for option in action.option_strings}
+    options = [option for action in parser._actions for option in action.option_strings]
+
+    def is_switch(arg):  # spelled out, or a prefix argparse would expand to one (--determ)
+        if arg in switches or arg in options or not (parser.allow_abbrev and arg.startswith("--")):
+            return arg in switches
+        expansions = [option for option in options if option.startswith(arg)]
+        return len(expansions) == 1 and expansions[0] in switches
+
+    argv = [str(arg) for arg in argv]
+    out = []
+    for position, arg in enumerate(argv):
+        following = argv[position + 1] if position + 1 < len(argv) else None
+        if following is not None and not following.startswith("-") and not _is_bool_word(following) \
+                and is_switch(arg):
+            arg += "=True"
+        out.append(arg)
+    return out
+
+
+def _is_bool_word(text):
+    try:
+        str2bool(text)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
 
 class FlagSafeHelpFormatter(argparse.HelpFormatter):
     """argparse's help layout, except that wrapping never splits a flag named in help text
@@ -251,8 +293,8 @@ def add_model_args(parser):
     group.add_argument("-a", "--arch", default="resnet18", metavar="ARCH",
                        help="a torchvision classification model name, or timm/<name> for a timm model "
                             "(default: resnet18)")
-    group.add_argument("--pretrained", action="store_true",
-                       help="start from pretrained weights found in the local cache (never downloads)")
+    add_switch(group, "--pretrained",
+               help="start from pretrained weights found in the local cache (never downloads)")
     group.add_argument("--num-classes", type=positive_int, default=None, metavar="N",
                        help="classifier outputs (default: the number of classes in the data)")
 
@@ -298,9 +340,9 @@ def add_run_args(parser, training=True):
                        help="mini-batch size per process (default: 256; 64 for digits)")
     group.add_argument("-p", "--print-freq", type=positive_int, default=10, metavar="N",
                        help="print (and reduce metrics across processes) every N steps (default: 10)")
-    group.add_argument("--deterministic", action="store_true",
-                       help="bitwise repeatable runs: deterministic cuDNN/cuBLAS algorithms, "
-                            "no cudnn.benchmark")
+    add_switch(group, "--deterministic",
+               help="bitwise repeatable runs: deterministic cuDNN/cuBLAS algorithms, "
+                    "no cudnn.benchmark")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
                        default=int(os.environ.get("LOCAL_RANK", 0)), metavar="N",
                        help="accepted for torch.distributed.launch; the LOCAL_RANK environment "
@@ -319,8 +361,8 @@ def add_run_args(parser, training=True):
                             "(default: none)")
     group.add_argument("--seed", type=seed_type, default=0,
                        help=f"seed for weights, shuffling and augmentation, 0..{SEED_MAX} (default: 0)")
-    group.add_argument("--sync_bn", "--sync-bn", dest="sync_bn", action="store_true",
-                       help="SyncBatchNorm across processes (several CUDA processes only)")
+    add_switch(group, "--sync_bn", "--sync-bn",
+               help="SyncBatchNorm across processes (several CUDA processes only)")
     group.add_argument("--output-dir", default=".", metavar="DIR",
                        help="where checkpoints and logs go (profile.py --benchmark: its CSV); created "
                             "if missing (default: the working directory)")
@@ -437,19 +479,19 @@ def add_ingredient_args(parser):
                        help="drop-path / stochastic-depth rate: timm's drop_path_rate, torchvision's "
                             "stochastic_depth_prob; refused for models without it (default: 0, the "
                             "model's own default)")
-    group.add_argument("--model-ema", action="store_true",
-                       help="keep an EMA of the weights (timm ModelEmaV3), validated every epoch beside the "
-                            "model and saved in checkpoints as state_dict_ema (default: off)")
+    add_switch(group, "--model-ema",
+               help="keep an EMA of the weights (timm ModelEmaV3), validated every epoch beside the "
+                    "model and saved in checkpoints as state_dict_ema (default: off)")
     group.add_argument("--model-ema-decay", type=positive_float, default=0.9998, metavar="D",
                        help="EMA decay per optimizer step, in (0, 1) (default: 0.9998)")
-    group.add_argument("--model-ema-best", action="store_true",
-                       help="with --model-ema: model_best.pth.tar follows the EMA's top-1 rather than the "
-                            "model's (default: off)")
+    add_switch(group, "--model-ema-best",
+               help="with --model-ema: model_best.pth.tar follows the EMA's top-1 rather than the "
+                    "model's (default: off)")
     group.add_argument("--opt", choices=("sgd", "nesterov", "adamw", "lamb"), default="sgd",
                        help="optimizer: torch SGD (nesterov: with Nesterov momentum), torch AdamW, timm Lamb "
                             "(default: sgd)")
-    group.add_argument("--no-wd-norm-bias", action="store_true",
-                       help="no weight decay on norm weights and biases (1-D parameters) (default: off)")
+    add_switch(group, "--no-wd-norm-bias",
+               help="no weight decay on norm weights and biases (1-D parameters) (default: off)")
     group.add_argument("--clip-grad", type=positive_float, default=None, metavar="N",
                        help="clip the global grad norm to N after unscaling, at every opt level (default: off)")
     group.add_argument("--accum-steps", type=positive_int, default=1, metavar="N",
@@ -499,6 +541,8 @@ def _convert(action, value, where):
     """A YAML value through the flag's own argparse type and choices, as on the command line."""
     from .errors import UsageError
 
+    if action.type is str2bool and value is not None and not isinstance(value, bool):
+        raise UsageError(f"{where}: {flag_name(action)} is a switch; give true or false, got {value!r}")
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
             raise UsageError(f"{where}: {flag_name(action)} is a switch; give true or false, got {value!r}")

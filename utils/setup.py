@@ -59,11 +59,12 @@ def parse_flags(parser, argv=None):
         return first
     typed = typed_dests(parser, argv)
     stored, lines = resume_flags(parser, first, typed)
-    if first.resume and "pretrained" in typed:
+    if first.resume and first.pretrained:  # --pretrained False says what a resume does anyway
         raise UsageError("--pretrained and --resume both give the starting weights (the checkpoint's would replace "
                          "the pretrained ones); drop --pretrained")
     keep_bn_default = parser.get_default("keep_batchnorm_fp32")  # before the checkpoint's replaces it
     pipeline_defaults = {dest: parser.get_default(dest) for dest in PIPELINE_FLAGS}  # and the --config's
+    ema_defaults = {dest: parser.get_default(dest) for dest in EMA_OPTIONS}
     if stored:
         parser.set_defaults(**stored)
     configured = load_config(parser, first.config) if first.config else {}
@@ -76,6 +77,9 @@ def parse_flags(parser, argv=None):
         args.keep_batchnorm_fp32 = keep_bn_default  # the stored choice was for another level
     if args.lr_schedule != "step" and "lr_schedule" in typed and "lr_steps" in set(configured) - typed:
         args.lr_steps = None  # the file's milestones belong to its step schedule, which the typed one replaced
+    if "model_ema" in typed and not args.model_ema:  # a typed --model-ema False: the EMA's options go with it
+        for dest in set(EMA_OPTIONS) - typed:
+            setattr(args, dest, ema_defaults[dest])
     if stored:
         if args.lr_schedule != "step" and args.lr_steps == stored.get("lr_steps"):
             args.lr_steps = None  # a resolved step schedule's milestones mean nothing to another schedule
@@ -90,6 +94,10 @@ def parse_flags(parser, argv=None):
         for line in warnings:
             print(line, file=sys.stderr, flush=True)
     return args
+
+
+# What only an EMA reads: a recipe's (or a resumed run's) values are dropped with a typed --model-ema False.
+EMA_OPTIONS = ("model_ema_decay", "model_ema_best")
 
 
 # The input pipeline's flags (decode, crop, workers). Synthetic tensors are made on the device and
