@@ -172,8 +172,10 @@ def main(argv=None):
             judged = ema_result if args.model_ema_best else result  # model_best follows the EMA only if asked
             is_best = judged.top1 > best_prec1  # False for a NaN top-1
             best_prec1 = judged.top1 if is_best else best_prec1
-            path = save(epoch + 1, 0, is_best, lr=trained.lr)
+            # The row first: a run killed between the two resumes after this epoch, and a resume
+            # drops the rows from its start epoch on, so a row ahead of its checkpoint is rewritten.
             run_log.epoch(epoch, trained, result, optimizer, ema_result if precision.ema is not None else None)
+            path = save(epoch + 1, 0, is_best, lr=trained.lr)
             if epoch + 1 < args.epochs and stop.agreed(accelerator):  # a signal during validation or the save
                 close_batches(ahead)
                 return stopped(path, epoch + 1, 0)

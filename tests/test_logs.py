@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import ROOT, TIMEOUT, run_script, subprocess_env
+from conftest import ROOT, TIMEOUT, run_command, run_script, subprocess_env
 from utils.cli import add_log_args, build_parser
 from utils.errors import UsageError
 from utils.logs import SUMMARY_COLUMNS, Progress, RunLog, tracker_kwargs
@@ -95,6 +95,36 @@ def test_a_run_resumed_into_a_new_directory_keeps_the_earlier_rows(cache_dir, tm
     _, before = read_summary(old / "summary.csv")
     _, after = read_summary(new / "summary.csv")
     assert [row["epoch"] for row in after] == ["0", "1"] and after[0] == before[0]
+
+
+# train.py with its process killed (os._exit: no cleanup) right after the second checkpoint write.
+KILLED_AFTER_SECOND_SAVE = """
+import os, sys
+sys.path.insert(0, {root!r})
+import train
+saved = []
+def save_then_die(*args, **kwargs):
+    train_save(*args, **kwargs)
+    saved.append(1)
+    if len(saved) == 2:
+        os._exit(9)
+train_save, train.save_checkpoint = train.save_checkpoint, save_then_die
+train.main({argv!r})
+"""
+
+
+def test_a_kill_just_after_a_checkpoint_loses_no_summary_row(cache_dir, tmp_path):
+    """The epoch's summary.csv row is written before its checkpoint: a run killed between the two
+    resumes after that epoch, and the row must already be there (it was lost for good)."""
+    out = tmp_path / "run"
+    argv = ["--epochs", "3", *DEMO, "--output-dir", str(out)]
+    killed = run_command([sys.executable, "-c", KILLED_AFTER_SECOND_SAVE.format(root=ROOT, argv=argv)])
+    assert killed.returncode == 9, killed.stderr[-3000:]
+    resumed = run_script("train.py", "--resume", out, "--epochs", "3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at epoch 2" in resumed.stdout  # the second checkpoint (after epoch 1) was on disk
+    _, rows = read_summary(out / "summary.csv")
+    assert [row["epoch"] for row in rows] == ["0", "1", "2"]
 
 
 def run_on_terminal(argv, stdout=None):
