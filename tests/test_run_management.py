@@ -63,6 +63,17 @@ def test_a_switch_alone_before_data_is_true_and_leaves_data_alone(tmp_path, argv
         assert getattr(args, name) in (True, "inductor"), name  # --compile resolves to its backend
 
 
+def test_a_warmup_as_long_as_the_run_is_named(tmp_path, capsys):
+    """A recipe's warmup-epochs 5 with --epochs 3 typed never reaches the LR: a warning says so."""
+    recipe = write(tmp_path / "r.yaml", "warmup-epochs: 5\n")
+    args = parse(["--config", recipe, "--epochs", "3"])
+    assert args.warmup_epochs == 5  # a value given is used as is
+    assert "--warmup-epochs 5 is not below --epochs 3" in capsys.readouterr().err
+    parse(["--config", recipe, "--epochs", "6"])
+    parse(["--epochs", "3"])  # the default warmup is cut to a quarter of the run
+    assert "warmup" not in capsys.readouterr().err
+
+
 def test_a_typed_lr_schedule_replaces_the_files_step_milestones(tmp_path):
     """A recipe's lr-steps belong to its step schedule: --lr-schedule cosine typed over the Apex
     file trains cosine (it was refused, asking to drop an --lr-steps nobody typed)."""

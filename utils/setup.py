@@ -23,6 +23,7 @@ def parse_args(parser, argv=None):
     # A timm model's own input size, crop pct, interpolation and mean/std fill what no flag set.
     apply_source_defaults(args, model_data_config(args.arch))
     warn_unreached_milestones(args)
+    warn_endless_warmup(args)
     if not 0.0 < args.crop_pct <= 1.0:
         raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if not 0.0 < args.min_scale <= 1.0:
@@ -196,6 +197,17 @@ def warn_unreached_milestones(args):
     if not any(milestone < args.epochs for milestone in args.lr_steps):
         print(f"warning: no --lr-steps milestone ({' '.join(map(str, args.lr_steps))}) falls inside "
               f"--epochs {args.epochs}, so the LR never decays; pass --lr-steps with earlier epochs",
+              file=sys.stderr, flush=True)
+
+
+def warn_endless_warmup(args):
+    """A warmup as long as the run (a recipe's 5 epochs with --epochs 3 typed) never reaches the
+    LR asked for: say so. A default warmup is already cut to a quarter of --epochs."""
+    if getattr(args, "evaluate", False) or int(os.environ.get("RANK", 0)) != 0:
+        return
+    if getattr(args, "warmup_epochs", 0) >= args.epochs > 0:
+        print(f"warning: --warmup-epochs {args.warmup_epochs} is not below --epochs {args.epochs}, so the LR "
+              f"never reaches --lr {args.lr:g} (x global batch / 256); pass a shorter --warmup-epochs",
               file=sys.stderr, flush=True)
 
 
