@@ -228,9 +228,9 @@ def test_folder_scan_skips_loops_duplicates_fifos_and_names_them(tmp_path):
     reasons = {os.path.relpath(path, train): reason for path, reason in dataset.skipped}
     assert reasons == {
         "README": "not a class folder",
-        os.path.join("class0", "loop"): "a link to a folder already walked",
-        os.path.join("class1", "b", "x", "self"): "a link to a folder already walked",
-        os.path.join("class1", "other"): "a link to a folder already walked",
+        os.path.join("class0", "loop"): "a link to the split folder or another class folder",
+        os.path.join("class1", "b", "x", "self"): f"the same folder as {os.path.join(train, 'class1', 'b', 'x')}",
+        os.path.join("class1", "other"): f"the same folder as {os.path.join(train, 'class0')}",
         os.path.join("class0", "again.jpg"): f"the same file as {os.path.join(train, 'class0', '0.jpg')}",
         os.path.join("class0", "pipe.jpg"): "not a regular file (a FIFO, socket or device)",
         os.path.join("class1", "notes.txt"): "not an image file name",
@@ -247,6 +247,17 @@ def test_empty_class_folder_is_a_usage_error(usage_error, tmp_path):
     usage_error([root, "--output-dir", tmp_path / "out", *TINY], "no images in the class folder(s) zebra")
 
 
+def test_a_class_folder_linked_to_another_is_named_as_a_link(usage_error, tmp_path):
+    """A class folder that is a link to another class's folder holds no images of its own: the
+    message says which folder it is (it read as if the folder were empty)."""
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=4)
+    for split in ("train", "val"):
+        os.symlink(os.path.join(root, split, "class0"), os.path.join(root, split, "class2"))
+    usage_error([root, "--output-dir", tmp_path / "out", *TINY],
+                f"no images in the class folder(s) class2 (class2 is the same folder as "
+                f"{os.path.join(root, 'val', 'class0')})")  # val is read first
+
+
 def test_training_on_a_folder_with_a_fifo_and_a_loop_does_not_hang(cache_dir, tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, per_class=8)
     os.mkfifo(os.path.join(root, "train", "class0", "pipe.jpg"))
@@ -255,7 +266,7 @@ def test_training_on_a_folder_with_a_fifo_and_a_loop_does_not_hang(cache_dir, tm
     result = run_script("train.py", root, "--output-dir", tmp_path / "out", *TINY, "-j", "1", "-b", "4",
                         "--epochs", "1", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "pipe.jpg (not a regular file" in result.stderr and "loop (a link to a folder already walked)" in result.stderr
+    assert "pipe.jpg (not a regular file" in result.stderr and "loop (a link to the split folder or another class folder)" in result.stderr
     assert "Epoch: [0][4/4]" in result.stdout and " * Prec@1" in result.stdout
 
 

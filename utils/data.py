@@ -63,7 +63,7 @@ def scan_class_folders(directory, class_to_idx, extensions=IMG_EXTENSIONS):
     # The split folder and every class folder belong to themselves: a link from one class into
     # the split or another class (a loop up the tree, or another class's images) is not followed.
     reserved = {identity(directory)} | {identity(os.path.join(directory, name)) for name in class_to_idx}
-    walked_dirs, first_path = set(), {}
+    walked_dirs, first_path = {}, {}
     samples = []
     for target_class in sorted(class_to_idx):
         files_by_root = {}
@@ -78,9 +78,10 @@ def scan_class_folders(directory, class_to_idx, extensions=IMG_EXTENSIONS):
                 skipped.append((folder, f"cannot list it: {err.strerror}"))
                 continue
             if key in walked_dirs or (key in reserved and folder != class_root):
-                skipped.append((folder, "a link to a folder already walked"))
+                skipped.append((folder, f"the same folder as {walked_dirs[key]}" if key in walked_dirs
+                                else "a link to the split folder or another class folder"))
                 continue
-            walked_dirs.add(key)
+            walked_dirs[key] = folder
             names = files_by_root.setdefault(folder, [])
             for entry in reversed(entries):  # the stack pops them in name order
                 try:
@@ -117,8 +118,13 @@ def scan_class_folders(directory, class_to_idx, extensions=IMG_EXTENSIONS):
     empty = [name for name in sorted(class_to_idx) if class_to_idx[name] not in found]
     if empty:
         shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
-        raise FileNotFoundError(f"no images in the class folder(s) {shown}; images end in "
-                                f"{', '.join(extensions)}")
+        # A class folder that is a link to another one holds that class's images: name the link.
+        why = dict(skipped)
+        links = [f"{name} is {why[os.path.join(directory, name)]}" for name in empty[:5]
+                 if os.path.join(directory, name) in why]
+        raise FileNotFoundError(f"no images in the class folder(s) {shown}"
+                                + (f" ({'; '.join(links)})" if links else
+                                   f"; images end in {', '.join(extensions)}"))
     return samples, skipped
 
 
