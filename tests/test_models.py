@@ -121,6 +121,39 @@ def test_torchvision_pretrained_from_torch_home_and_resized(tmp_path, monkeypatc
     assert torch.equal(model.features[0][0].weight, reference["features.0.0.weight"])
 
 
+def test_googlenet_trains_and_evaluates(tmp_path):
+    """googlenet's default aux classifiers made its training forward return a tuple, and train.py
+    stopped at its first loss with a TypeError; it is built without them, and eval.py takes the
+    checkpoint."""
+    folder = make_image_folder(tmp_path / "data", classes=3, per_class=4)
+    out = tmp_path / "out"
+    trained = run_script("train.py", folder, "-a", "googlenet", "--image-size", "64", "-b", "6", "--epochs", "1",
+                         "-j", "0", "--output-dir", out)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    state = torch.load(out / "checkpoint.pth.tar", weights_only=True)["state_dict"]
+    assert not any(key.startswith("aux") for key in state)
+    evaluated = run_script("eval.py", "--resume", out / "checkpoint.pth.tar", "-j", "0")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert " * Prec@1" in evaluated.stdout
+
+
+def test_torchvision_pretrained_takes_the_settings_its_weights_need(tmp_path, monkeypatch):
+    """googlenet's published weights expect transform_input=True (torchvision's builder sets it
+    when it loads them); loaded into a plain model they scored inputs normalised the wrong way,
+    and the aux classifiers they carry made a fine-tuning forward return a tuple."""
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    reference = torchvision.models.googlenet(weights=None, aux_logits=True, init_weights=False).state_dict()
+    url = torchvision.models.get_model_weights("googlenet").DEFAULT.url
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(reference, tmp_path / "hub" / "checkpoints" / os.path.basename(url))
+    model = build_model("googlenet", 3, pretrained=True)
+    assert model.transform_input is True
+    assert torch.equal(model.conv1.conv.weight, reference["conv1.conv.weight"])
+    assert isinstance(model.train()(torch.randn(2, 3, 64, 64)), torch.Tensor) and model.fc.out_features == 3
+
+
 def test_train_with_cached_timm_weights_offline(cache_dir, tmp_path):
     """The whole script: timm weights from a copied cache, the head reset to the data's 3 classes,
     the model's data config in args.yaml, and no network (HF_HUB_OFFLINE left unset on purpose)."""

@@ -38,21 +38,32 @@ def _replace_classifier(model, num_classes):
     setattr(parent, last_name.rpartition(".")[2], nn.Linear(last.in_features, num_classes))
 
 
+# Constructor keywords a model needs to train here: googlenet's default aux classifiers make its
+# training forward return a tuple of logits, which the loss cannot take (its pretrained builder
+# drops them itself).
+TRAINABLE = {"googlenet": {"aux_logits": False}}
+
+
 def _torchvision_model(arch, num_classes, pretrained, **extra):
     import torchvision
     if arch not in torchvision_names():
         raise _unknown(arch, torchvision_names())
     if not pretrained:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes,
+                                            **TRAINABLE.get(arch, {}), **extra)
     weights = torchvision.models.get_model_weights(arch).DEFAULT
     filename = os.path.basename(weights.url)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
     if not os.path.isfile(path):
         raise UsageError(f"--pretrained: no local weights for {arch} at {path}; this script never "
                          f"downloads. Copy {weights.url} there (or set TORCH_HOME), or drop --pretrained")
-    model = torchvision.models.get_model(arch, weights=None, **extra)
     try:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        # Built with its weights, not loaded into a plain model: the builder sets what the weights
+        # need (googlenet's transform_input, vit_h_14's 518 px). The file is in torch's hub cache,
+        # where torchvision looks first, so nothing is downloaded.
+        model = torchvision.models.get_model(arch, weights=weights, **extra)
+    except TypeError:
+        raise  # a keyword the model does not take (--drop-path): build_model says so
     except Exception as err:  # truncated download, another model's file, not a torch file
         raise UsageError(f"--pretrained: cannot load {arch} weights from {path} ({first_line(err, 200)}); the "
                          "file is damaged or of another model: delete it and copy it again") from None
