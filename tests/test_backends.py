@@ -119,3 +119,22 @@ def test_startup_line_and_compiled_training_with_plain_checkpoint_keys(tiny_fold
     evaluated = run_script("eval.py", "--resume", out / "checkpoint.pth.tar", "--compile", "-j", "0")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "torch.compile (inductor)" in evaluated.stdout
+
+
+def test_accelerate_eager_dynamo_backend_is_honoured_once(tiny_folder, tmp_path):
+    """`accelerate launch --dynamo_backend eager` (ACCELERATE_DYNAMO_BACKEND=EAGER) is a backend
+    torch.compile takes; it was refused as "not a torch.compile backend here" because torch lists
+    its debug-tagged backends only when asked. It compiles once, by this script, in train.py and
+    eval.py, and the checkpoint keeps plain keys."""
+    out = tmp_path / "run"
+    env = {"ACCELERATE_DYNAMO_BACKEND": "EAGER"}
+    result = run_script("train.py", tiny_folder, *QUICK, "--steps-per-epoch", "2", "--epochs", "1",
+                        "--output-dir", out, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch.compile with backend eager, from Accelerate's dynamo_backend setting" in result.stderr
+    assert result.stdout.count("torch.compile (eager): first forward") == 1
+    state = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)["state_dict"]
+    assert not any("_orig_mod" in key for key in state)
+    evaluated = run_script("eval.py", "--resume", out / "checkpoint.pth.tar", "-j", "0", env=env)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "torch.compile (eager): first forward" in evaluated.stdout

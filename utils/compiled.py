@@ -37,7 +37,10 @@ def resolve_compile(args):
     if not from_accelerate:
         args.compile = DEFAULT_BACKEND if args.compile else False
         return None
-    if from_accelerate not in torch._dynamo.list_backends():
+    # Every registered backend: list_backends() alone hides those tagged debug, and so refused
+    # Accelerate's EAGER and AOT_EAGER, which torch.compile takes.
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if from_accelerate not in backends:
         raise UsageError(f"Accelerate's dynamo_backend {from_accelerate!r} is not a torch.compile backend "
                          f"here ({', '.join(torch._dynamo.list_backends())}); fix the config or drop it")
     args.compile = from_accelerate
