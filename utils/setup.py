@@ -73,9 +73,9 @@ def parse_flags(parser, argv=None):
     args = parser.parse_args(argv)
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
     warnings = reject_pipeline_flags(args, typed, configured, pipeline_defaults)
-    inherited_keep_bn = "keep_batchnorm_fp32" in stored and "keep_batchnorm_fp32" not in typed | set(configured)
-    if inherited_keep_bn and "opt_level" in typed and args.opt_level != stored.get("opt_level"):
-        args.keep_batchnorm_fp32 = keep_bn_default  # the stored choice was for another level
+    if "keep_batchnorm_fp32" in stored:
+        keep_bn_for_opt_level(args, "opt_level" in typed, "keep_batchnorm_fp32" in typed | set(configured),
+                              stored.get("opt_level"), keep_bn_default)
     if args.lr_schedule != "step" and "lr_schedule" in typed and "lr_steps" in set(configured) - typed:
         args.lr_steps = None  # the file's milestones belong to its step schedule, which the typed one replaced
     if "model_ema" in typed and not args.model_ema:  # a typed --model-ema False: the EMA's options go with it
@@ -99,6 +99,14 @@ def parse_flags(parser, argv=None):
 
 # What only an EMA reads: a recipe's (or a resumed run's) values are dropped with a typed --model-ema False.
 EMA_OPTIONS = ("model_ema_decay", "model_ema_best")
+
+
+def keep_bn_for_opt_level(args, level_given, keep_bn_given, inherited_level, default=None):
+    """A --keep-batchnorm-fp32 inherited from a checkpoint was chosen for the checkpoint's opt level:
+    with another --opt-level given and no --keep-batchnorm-fp32, the new level's default applies
+    (not, say, a choice O1 refuses). train.py's --resume and eval.py share this rule."""
+    if level_given and not keep_bn_given and args.opt_level != inherited_level:
+        args.keep_batchnorm_fp32 = default
 
 
 # The input pipeline's flags (decode, crop, workers). Synthetic tensors are made on the device and
