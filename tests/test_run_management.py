@@ -197,6 +197,28 @@ def test_resume_reads_back_what_the_run_resolved(tmp_path):
         parse(["--resume", tmp_path, "--pretrained"])
 
 
+def test_resume_drops_stored_flags_made_for_a_setting_this_run_changes(tmp_path):
+    """A stored --keep-batchnorm-fp32 False (chosen for O2) stopped a resume whose --config set
+    --opt-level O1 ("cannot be used with --opt-level O1", a flag nobody typed); a stored
+    --compile-mode stopped a resume with --compile False ("needs --compile; drop --compile-mode",
+    a flag nobody typed either). Both now fall back to their defaults; typed ones still count."""
+    state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
+             "args": {"compile": "inductor", "compile_mode": "reduce-overhead", "opt_level": "O2",
+                      "keep_batchnorm_fp32": False, "epochs": 1}}
+    save_checkpoint(state, False, tmp_path)
+    recipe = write(tmp_path / "o1.yaml", "opt-level: O1\n")
+    args = parse(["--resume", tmp_path, "--epochs", "2", "--config", recipe])
+    assert args.opt_level == "O1" and args.keep_batchnorm_fp32 is None
+    assert parse(["--resume", tmp_path, "--epochs", "2", "--opt-level", "O2", "--config", recipe]).keep_batchnorm_fp32 is False
+    args = parse(["--resume", tmp_path, "--epochs", "2", "--compile", "False"])
+    assert args.compile is False and args.compile_mode == "default"
+    assert parse(["--resume", tmp_path, "--epochs", "2"]).compile_mode == "reduce-overhead"
+    from utils.compiled import resolve_compile
+    with pytest.raises(UsageError, match="needs --compile"):  # typed, it is still refused
+        resolve_compile(parse(["--resume", tmp_path, "--epochs", "2", "--compile", "False",
+                               "--compile-mode", "max-autotune"]))
+
+
 def test_a_pretrained_run_resumes_without_its_weights_file_and_evaluates_at_another_level(cache_dir, tmp_path,
                                                                                        monkeypatch):
     """Resuming a --pretrained run needs no pretrained weights file (the checkpoint holds the

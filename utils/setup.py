@@ -65,7 +65,7 @@ def parse_flags(parser, argv=None):
                          "the pretrained ones); drop --pretrained")
     keep_bn_default = parser.get_default("keep_batchnorm_fp32")  # before the checkpoint's replaces it
     pipeline_defaults = {dest: parser.get_default(dest) for dest in PIPELINE_FLAGS}  # and the --config's
-    ema_defaults = {dest: parser.get_default(dest) for dest in EMA_OPTIONS}
+    option_defaults = {dest: parser.get_default(dest) for options in SWITCH_OPTIONS.values() for dest in options}
     if stored:
         parser.set_defaults(**stored)
     configured = load_config(parser, first.config) if first.config else {}
@@ -73,14 +73,13 @@ def parse_flags(parser, argv=None):
     args = parser.parse_args(argv)
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
     warnings = reject_pipeline_flags(args, typed, configured, pipeline_defaults)
+    given = typed | set(configured)  # a --config's flags override the checkpoint's as typed ones do
     if "keep_batchnorm_fp32" in stored:
-        keep_bn_for_opt_level(args, "opt_level" in typed, "keep_batchnorm_fp32" in typed | set(configured),
+        keep_bn_for_opt_level(args, "opt_level" in given, "keep_batchnorm_fp32" in given,
                               stored.get("opt_level"), keep_bn_default)
     if args.lr_schedule != "step" and "lr_schedule" in typed and "lr_steps" in set(configured) - typed:
         args.lr_steps = None  # the file's milestones belong to its step schedule, which the typed one replaced
-    if "model_ema" in typed and not args.model_ema:  # a typed --model-ema False: the EMA's options go with it
-        for dest in set(EMA_OPTIONS) - typed:
-            setattr(args, dest, ema_defaults[dest])
+    drop_options_of_switches_off(args, typed, stored, configured, option_defaults)
     if stored:
         if args.lr_schedule != "step" and args.lr_steps == stored.get("lr_steps"):
             args.lr_steps = None  # a resolved step schedule's milestones mean nothing to another schedule
@@ -97,8 +96,20 @@ def parse_flags(parser, argv=None):
     return args
 
 
-# What only an EMA reads: a recipe's (or a resumed run's) values are dropped with a typed --model-ema False.
-EMA_OPTIONS = ("model_ema_decay", "model_ema_best")
+# Options only their switch reads. With the switch off, a value a checkpoint stored for a run that
+# had it on, or a recipe's where --model-ema False / --compile False is typed, falls back to its
+# default, rather than being refused as an option without its switch that nobody typed.
+SWITCH_OPTIONS = {"compile": ("compile_mode",), "model_ema": ("model_ema_decay", "model_ema_best")}
+
+
+def drop_options_of_switches_off(args, typed, stored, configured, defaults):
+    for switch, options in SWITCH_OPTIONS.items():
+        if getattr(args, switch, True):
+            continue
+        for dest in options:
+            inherited = dest in stored and dest not in configured
+            if dest not in typed and (inherited or (switch in typed and dest in configured)):
+                setattr(args, dest, defaults[dest])
 
 
 def keep_bn_for_opt_level(args, level_given, keep_bn_given, inherited_level, default=None):
