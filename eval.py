@@ -43,7 +43,8 @@ from utils.files import atomic_write, output_file_problem
 from utils.logs import Progress
 from utils.models import REFUSED, build_model, check_input_size, torchvision_names
 from utils.precision import HALF_DTYPES, Precision
-from utils.setup import RUN_FILES, keep_bn_for_opt_level, make_accelerator, parse_args, warn
+from utils.setup import (RUN_FILES, fp32_over_inherited_level, keep_bn_for_opt_level, make_accelerator, parse_args,
+                         warn)
 
 # Training settings eval.py inherits from the checkpoint when the command line leaves them out.
 FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "interpolation", "mean", "std",
@@ -177,6 +178,8 @@ def parse_eval_args(argv):
     parser = build_eval_parser()
     parser.set_defaults(**defaults)
     args = parse_args(parser, argv)
+    if fp32_over_inherited_level(args, given):
+        given = given | {"opt_level"}
     keep_bn_for_opt_level(args, "opt_level" in given, "keep_batchnorm_fp32" in given, defaults["opt_level"])
     check_against_checkpoint(args, given, checkpoint, defaults)
     inherit_half_dtype(args, checkpoint)

@@ -158,6 +158,22 @@ def test_checkpoint_and_data_mistakes_are_usage_errors(trained, evaluate, tmp_pa
             match="was trained on DATA .*moved-away.*which does not exist here; give DATA")
 
 
+def test_mixed_precision_no_evaluates_a_half_checkpoint_in_fp32(tmp_path):
+    """--mixed-precision no on an O2 bf16 checkpoint was refused as contradicting --opt-level O2,
+    which only the checkpoint named; it evaluates at O0, the checkpoint's keep-BN choice dropped."""
+    import eval as eval_script
+    from utils.precision import resolve_recipe
+    state = {"epoch": 1, "arch": "resnet18", "opt_level": "O2", "mixed_precision": "bf16",
+             "state_dict": {"fc.weight": torch.zeros(3, 512)},
+             "args": {"opt_level": "O2", "keep_batchnorm_fp32": False, "mixed_precision": "bf16"}}
+    save_checkpoint(state, False, tmp_path)
+    args, _ = eval_script.parse_eval_args(["--resume", str(tmp_path / "checkpoint.pth.tar"),
+                                           "--mixed-precision", "no"])
+    assert (args.opt_level, args.keep_batchnorm_fp32, args.mixed_precision) == ("O0", None, "no")
+    recipe, notes = resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, None, "no", "--mixed-precision")
+    assert recipe.opt_level == "O0" and notes == []
+
+
 def one_error_line(code, stderr, needle):
     """Exit code 2 and one `prog: error: ...` line (warnings aside) naming needle; no traceback."""
     lines = [line for line in stderr.strip().splitlines() if not line.startswith("warning:")]

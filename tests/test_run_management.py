@@ -219,6 +219,23 @@ def test_resume_drops_stored_flags_made_for_a_setting_this_run_changes(tmp_path)
                                "--compile-mode", "max-autotune"]))
 
 
+def test_mixed_precision_no_resumes_a_half_run_in_fp32(tmp_path):
+    """--mixed-precision no beside --resume of an O2 bf16 run was refused as contradicting
+    --opt-level O2, a flag only the checkpoint held; it now means O0 (the stored keep-BN choice
+    going with the old level), and a typed --opt-level O2 beside it is still a contradiction."""
+    from utils.precision import resolve_recipe
+    state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
+             "args": {"opt_level": "O2", "keep_batchnorm_fp32": False, "mixed_precision": "bf16", "epochs": 1}}
+    save_checkpoint(state, False, tmp_path)
+    args = parse(["--resume", tmp_path, "--epochs", "2", "--mixed-precision", "no"])
+    assert (args.opt_level, args.keep_batchnorm_fp32) == ("O0", None)
+    recipe, notes = resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale, "no", "--mixed-precision")
+    assert recipe.opt_level == "O0" and recipe.half_dtype is None and notes == []
+    args = parse(["--resume", tmp_path, "--epochs", "2", "--mixed-precision", "no", "--opt-level", "O2"])
+    with pytest.raises(UsageError, match="contradicts --opt-level O2"):
+        resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale, "no", "--mixed-precision")
+
+
 def test_a_pretrained_run_resumes_without_its_weights_file_and_evaluates_at_another_level(cache_dir, tmp_path,
                                                                                        monkeypatch):
     """Resuming a --pretrained run needs no pretrained weights file (the checkpoint holds the

@@ -74,6 +74,8 @@ def parse_flags(parser, argv=None):
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
     warnings = reject_pipeline_flags(args, typed, configured, pipeline_defaults)
     given = typed | set(configured)  # a --config's flags override the checkpoint's as typed ones do
+    if fp32_over_inherited_level(args, given):
+        given |= {"opt_level"}
     if "keep_batchnorm_fp32" in stored:
         keep_bn_for_opt_level(args, "opt_level" in given, "keep_batchnorm_fp32" in given,
                               stored.get("opt_level"), keep_bn_default)
@@ -110,6 +112,17 @@ def drop_options_of_switches_off(args, typed, stored, configured, defaults):
             inherited = dest in stored and dest not in configured
             if dest not in typed and (inherited or (switch in typed and dest in configured)):
                 setattr(args, dest, defaults[dest])
+
+
+def fp32_over_inherited_level(args, given):
+    """--mixed-precision no given where the opt level was not, but inherited from a checkpoint (a
+    half level, chosen for its half dtype): fp32 is asked for, so the level is O0, not a
+    contradiction of a flag nobody typed. Returns whether the level changed."""
+    if args.mixed_precision == "no" and "mixed_precision" in given and "opt_level" not in given \
+            and args.opt_level not in (None, "O0"):
+        args.opt_level = "O0"
+        return True
+    return False
 
 
 def keep_bn_for_opt_level(args, level_given, keep_bn_given, inherited_level, default=None):
