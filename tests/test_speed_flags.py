@@ -92,6 +92,26 @@ def test_compile_mode_reaches_torch_compile():
     assert compile_model(model, "eager", lines.append, "reduce-overhead")._eval_mode is None
 
 
+def test_accelerate_dynamo_mode_is_honoured(monkeypatch):
+    """`accelerate launch --dynamo_backend inductor --dynamo_mode reduce-overhead` compiled in the
+    default mode: ACCELERATE_DYNAMO_MODE was never read. It is now the mode unless --compile-mode
+    is typed; a mode torch.compile does not know is a usage error."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "reduce-overhead")
+    args = argparse.Namespace(compile=False, compile_mode="default")
+    note = resolve_compile(args)
+    assert (args.compile, args.compile_mode) == ("inductor", "reduce-overhead")
+    assert "backend inductor, mode reduce-overhead, from Accelerate" in note
+    compiled = compile_model(torch.nn.Linear(3, 2), args.compile, print, args.compile_mode)
+    assert compiled._eval_mode == "reduce-overhead"
+    args = argparse.Namespace(compile=True, compile_mode="max-autotune")  # typed: it wins
+    resolve_compile(args)
+    assert args.compile_mode == "max-autotune"
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "turbo")
+    with pytest.raises(UsageError, match="dynamo_mode 'turbo' is not a torch.compile mode"):
+        resolve_compile(argparse.Namespace(compile=False, compile_mode="default"))
+
+
 WORK_QUEUES_PROBE = """
 import os, sys
 from utils.cli import build_parser

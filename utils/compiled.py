@@ -1,7 +1,8 @@
 """torch.compile of the model: whether to compile, the compile itself, and the plain module behind it.
 
 --compile, or Accelerate's own dynamo_backend setting (`accelerate launch --dynamo_backend`, the
-yaml, ACCELERATE_DYNAMO_BACKEND), turns it on. We compile exactly once, ourselves, after
+yaml, ACCELERATE_DYNAMO_BACKEND), turns it on; Accelerate's dynamo_mode is the mode unless
+--compile-mode is typed (its fullgraph/dynamic settings are not used: see dynamic=False below). We compile exactly once, ourselves, after
 Accelerate's prepare() (so DDP's bucketing sees the compiled graph, as torch recommends), and
 tell the Accelerator not to compile again. dynamic=False: the train batch never changes shape
 (the sampler drops the last partial batch); validation's shorter last batch costs one more
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from .cli import COMPILE_MODES
 from .errors import UsageError
 
 DEFAULT_BACKEND = "inductor"
@@ -44,7 +46,17 @@ def resolve_compile(args):
         raise UsageError(f"Accelerate's dynamo_backend {from_accelerate!r} is not a torch.compile backend "
                          f"here ({', '.join(torch._dynamo.list_backends())}); fix the config or drop it")
     args.compile = from_accelerate
-    return f"torch.compile with backend {from_accelerate}, from Accelerate's dynamo_backend setting (compiled once, by this script)"
+    # `accelerate launch --dynamo_mode` (the yaml's dynamo_mode) comes with the backend; a typed
+    # --compile-mode wins over it.
+    accelerate_mode = os.environ.get("ACCELERATE_DYNAMO_MODE", "").strip().lower() or "default"
+    if mode == "default" and accelerate_mode != "default":
+        if accelerate_mode not in COMPILE_MODES:
+            raise UsageError(f"Accelerate's dynamo_mode {accelerate_mode!r} is not a torch.compile mode "
+                             f"({', '.join(COMPILE_MODES)}); fix the config or drop it")
+        args.compile_mode = mode = accelerate_mode
+    with_mode = f", mode {mode}" if mode != "default" and from_accelerate == DEFAULT_BACKEND else ""
+    return (f"torch.compile with backend {from_accelerate}{with_mode}, from Accelerate's dynamo_backend setting "
+            "(compiled once, by this script)")
 
 
 def compile_model(model, backend, log, mode="default"):
