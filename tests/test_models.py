@@ -121,6 +121,23 @@ def test_torchvision_pretrained_from_torch_home_and_resized(tmp_path, monkeypatc
     assert torch.equal(model.features[0][0].weight, reference["features.0.0.weight"])
 
 
+def test_torchvision_pretrained_convolution_head_is_resized(tmp_path, monkeypatch):
+    """squeezenet classifies with a 1x1 convolution, no Linear: --pretrained on data with other
+    than 1000 classes stopped with "cannot find the classifier ...; drop --num-classes", a flag
+    nobody typed (the count comes from the data). Its head is resized like a Linear one."""
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    reference = torchvision.models.squeezenet1_1().state_dict()
+    url = torchvision.models.get_model_weights("squeezenet1_1").DEFAULT.url
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(reference, tmp_path / "hub" / "checkpoints" / os.path.basename(url))
+    model = build_model("squeezenet1_1", 5, pretrained=True)
+    assert model.classifier[1].out_channels == 5
+    assert torch.equal(model.features[0].weight, reference["features.0.weight"])
+    assert model.eval()(torch.randn(2, 3, 64, 64)).shape == (2, 5)
+
+
 def test_googlenet_trains_and_evaluates(tmp_path):
     """googlenet's default aux classifiers made its training forward return a tuple, and train.py
     stopped at its first loss with a TypeError; it is built without them, and eval.py takes the

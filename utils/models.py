@@ -27,15 +27,25 @@ def _unknown(arch, names):
 
 
 def _replace_classifier(model, num_classes):
-    """Swap the last Linear layer for one with num_classes outputs (pretrained body kept)."""
+    """Swap the last Linear layer for one with num_classes outputs (pretrained body kept); a model
+    without one (squeezenet) classifies with a 1x1 convolution, the last Conv2d: swapped alike."""
     last_name, last = None, None
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             last_name, last = name, module
     if last is None:
-        raise UsageError("cannot find the classifier of this model to resize it; drop --num-classes")
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Conv2d):
+                last_name, last = name, module
+        if last is None or last.kernel_size != (1, 1):
+            raise UsageError("cannot find the classifier of this model to resize it to the data's classes; "
+                             "evaluate or train on data with the weights' classes, or drop --pretrained")
+    new = (nn.Linear(last.in_features, num_classes) if isinstance(last, nn.Linear)
+           else nn.Conv2d(last.in_channels, num_classes, kernel_size=1))
     parent = model.get_submodule(last_name.rpartition(".")[0]) if "." in last_name else model
-    setattr(parent, last_name.rpartition(".")[2], nn.Linear(last.in_features, num_classes))
+    setattr(parent, last_name.rpartition(".")[2], new)
+    if hasattr(model, "num_classes"):  # squeezenet's record of its head, kept true
+        model.num_classes = num_classes
 
 
 # Constructor keywords a model needs to train here: googlenet's default aux classifiers make its
