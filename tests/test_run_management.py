@@ -63,6 +63,13 @@ def test_a_switch_alone_before_data_is_true_and_leaves_data_alone(tmp_path, argv
         assert getattr(args, name) in (True, "inductor"), name  # --compile resolves to its backend
 
 
+def test_a_switch_before_a_word_that_is_no_data_still_refuses_it(tmp_path):
+    with pytest.raises(SystemExit):  # a typo is refused, not taken for DATA
+        parse(["--channels-last", "maybe", str(tmp_path)])
+    args = parse(["--compile", "--", str(tmp_path)])  # after --, everything is positional
+    assert args.compile and args.data == str(tmp_path)
+
+
 def test_a_warmup_as_long_as_the_run_is_named(tmp_path, capsys):
     """A recipe's warmup-epochs 5 with --epochs 3 typed never reaches the LR: a warning says so."""
     recipe = write(tmp_path / "r.yaml", "warmup-epochs: 5\n")

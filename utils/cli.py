@@ -87,8 +87,10 @@ def add_switch(group, *names, help):
 
 
 def bare_switches(parser, argv):
-    """argv with each switch that is followed by something other than True|False written as
-    --switch=True: argparse would otherwise take the next word as its value (--compile /data/imagenet)."""
+    """argv with each switch that is followed by a word that reads as DATA (a path, digits,
+    synthetic, hf:...) written as --switch=True: argparse would otherwise take DATA as the switch's
+    value and refuse it (--compile /data/imagenet). Any other word stays the value, so a typo
+    (--channels-last maybe) is still refused."""
     switches = {option for action in parser._actions if action.type is str2bool and action.nargs == "?"
                 for option in action.option_strings}
     options = [option for action in parser._actions for option in action.option_strings]
@@ -102,20 +104,19 @@ def bare_switches(parser, argv):
     argv = [str(arg) for arg in argv]
     out = []
     for position, arg in enumerate(argv):
+        if arg == "--":  # the rest are positionals
+            return out + argv[position:]
         following = argv[position + 1] if position + 1 < len(argv) else None
-        if following is not None and not following.startswith("-") and not _is_bool_word(following) \
-                and is_switch(arg):
+        if following is not None and _reads_as_data(following) and is_switch(arg):
             arg += "=True"
         out.append(arg)
     return out
 
 
-def _is_bool_word(text):
-    try:
-        str2bool(text)
-    except argparse.ArgumentTypeError:
+def _reads_as_data(text):
+    if text.lower() in BOOL_WORDS:
         return False
-    return True
+    return text in ("digits", "synthetic") or text.startswith("hf:") or os.sep in text or os.path.exists(text)
 
 
 class FlagSafeHelpFormatter(argparse.HelpFormatter):
@@ -127,12 +128,15 @@ class FlagSafeHelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+BOOL_WORDS = ("true", "1", "yes", "y", "on", "false", "0", "no", "n", "off")  # five for True, five for False
+
+
 def str2bool(text):
     """Parse True/False the way people type it; Apex's type=bool made 'False' mean True."""
     value = str(text).strip().lower()
-    if value in ("true", "1", "yes", "y", "on"):
+    if value in BOOL_WORDS[:5]:
         return True
-    if value in ("false", "0", "no", "n", "off"):
+    if value in BOOL_WORDS[5:]:
         return False
     raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
 
