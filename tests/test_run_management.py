@@ -204,6 +204,19 @@ def test_resume_reads_back_what_the_run_resolved(tmp_path):
         parse(["--resume", tmp_path, "--pretrained"])
 
 
+def test_resume_keeps_the_half_dtype_that_accelerate_chose(tmp_path, monkeypatch):
+    """A bf16 run launched with `accelerate launch --mixed_precision bf16` stores no --mixed-precision
+    flag; resumed under a config saying 'no' (the shipped yamls) it went on in fp16."""
+    state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)}, "opt_level": "O1",
+             "mixed_precision": "bf16", "args": {"opt_level": "O1", "mixed_precision": None, "epochs": 1}}
+    save_checkpoint(state, False, tmp_path)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert parse(["--resume", tmp_path, "--epochs", "2"]).mixed_precision == "bf16"
+    assert parse(["--resume", tmp_path, "--epochs", "2", "--mixed-precision", "fp16"]).mixed_precision == "fp16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # a config naming a dtype wins
+    assert parse(["--resume", tmp_path, "--epochs", "2"]).mixed_precision is None
+
+
 def test_resume_drops_stored_flags_made_for_a_setting_this_run_changes(tmp_path):
     """A stored --keep-batchnorm-fp32 False (chosen for O2) stopped a resume whose --config set
     --opt-level O1 ("cannot be used with --opt-level O1", a flag nobody typed); a stored

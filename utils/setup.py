@@ -198,13 +198,28 @@ def resume_flags(parser, args, typed=()):
         args.resume = found
     if not os.path.isfile(args.resume):
         return {}, []  # load_checkpoint names the missing file in build_or_resume
-    stored = load_checkpoint(args.resume).get("args") or {}
+    checkpoint = load_checkpoint(args.resume)
+    stored = checkpoint.get("args") or {}
     dests = {action.dest for action in parser._actions}
     flags = {dest: value for dest, value in stored.items() if dest in dests and dest not in NOT_RESUMED}
     if flags.get("compile") not in (None, False, True):  # the backend the run resolved --compile to
         flags["compile"] = True
+    if "mixed_precision" in dests and flags.get("mixed_precision") is None:
+        flags.update(inherited_half_dtype(checkpoint))
     lines.append(f"=> --resume: {len(flags)} flags from {args.resume} (flags typed again win)")
     return flags, lines
+
+
+def inherited_half_dtype(checkpoint):
+    """{"mixed_precision": dtype} for a half-precision run whose dtype came from Accelerate (a launch
+    with --mixed_precision bf16), so no flag stored it: resumed under a config saying 'no', as the
+    shipped yamls do, it went on in Apex's fp16. An Accelerate setting naming a half dtype now wins."""
+    dtype = checkpoint.get("mixed_precision")
+    if checkpoint.get("opt_level") in (None, "O0") or dtype not in ("fp16", "bf16"):
+        return {}
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() in ("fp16", "bf16"):
+        return {}
+    return {"mixed_precision": dtype}
 
 
 def check_lr_steps(args):
