@@ -2,11 +2,12 @@
 
 --compile, or Accelerate's own dynamo_backend setting (`accelerate launch --dynamo_backend`, the
 yaml, ACCELERATE_DYNAMO_BACKEND), turns it on; Accelerate's dynamo_mode is the mode unless
---compile-mode is typed (its fullgraph/dynamic settings are not used: see dynamic=False below). We compile exactly once, ourselves, after
-Accelerate's prepare() (so DDP's bucketing sees the compiled graph, as torch recommends), and
-tell the Accelerator not to compile again. dynamic=False: the train batch never changes shape
-(the sampler drops the last partial batch); validation's shorter last batch costs one more
-compile instead of a slower dynamic-shape graph for every step.
+--compile-mode is typed (its fullgraph/dynamic settings are not used: see dynamic=False below).
+We compile exactly once, ourselves, after Accelerate's prepare() (so DDP's bucketing sees the
+compiled graph, as torch recommends), and tell the Accelerator not to compile again.
+dynamic=False: the train batch never changes shape (the sampler drops the last partial batch);
+validation's shorter last batch costs one more compile instead of a slower dynamic-shape graph
+for every step.
 
 The compiled wrapper prefixes every state_dict key with `_orig_mod.`; checkpoints are taken from
 plain_module(), so they load into an uncompiled model. Accelerate's unwrap_model(keep_torch_compile=
