@@ -194,6 +194,7 @@ def test_resume_that_changes_the_runs_meaning(usage_error, first_run, tiny_folde
                         "--mixed-precision", "bf16")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming a checkpoint trained at O0 fp32 with O1 bf16: its fp32 weights" in result.stderr
+    assert "not carried" not in result.stderr  # an fp32 run had no loss scale to carry
     assert "global batch 8" in result.stderr and "checkpoint had 16" in result.stderr
     assert torch.load(out / "checkpoint.pth.tar", weights_only=True)["opt_level"] == "O1"
 

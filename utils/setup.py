@@ -638,9 +638,8 @@ def check_resume_meaning(args, checkpoint, recipe, accelerator, classes=None):
         after = _precision_name(recipe.opt_level, recipe.dtype_name)
         same_dtype = before.split()[1] == after.split()[1]
         if before != after:
-            carried = "" if same_dtype else (
-                "; the loss-scale state is not carried across dtypes"
-                if checkpoint.get("loss_scale") or recipe.loss_scale is not None else "")
+            had_scale = (checkpoint.get("loss_scale") or {}).get("scale") is not None  # a bf16/fp32 run has none
+            carried = "" if same_dtype or not had_scale else "; its loss scale is not carried across dtypes"
             warn(accelerator, f"resuming a checkpoint trained at {before} with {after}: its fp32 weights "
                               f"and optimizer state carry over{carried}")
     # Global batch = batch x processes x accumulation steps on both sides (global_batch()); a
