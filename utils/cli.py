@@ -242,7 +242,7 @@ def add_data_args(parser, training=True):
                             "e.g. an imagefolder); 'digits' (built-in demo, the default when DATA is "
                             "left out) or 'synthetic' (random tensors made on the device, for speed tests)")
     group.add_argument("--data-backend", choices=("auto", "cpu", "gpu"), default="auto",
-                       help="cpu: PIL decodes and crops in the loader workers; gpu: workers only read "
+                       help="cpu: the loader workers decode (libjpeg-turbo, PIL for other files) and crop; gpu: workers only read "
                             "file bytes, nvJPEG decodes whole batches and crops/resizes run on the GPU "
                             "(ImageFolder data on CUDA only); auto: gpu for ImageFolder data on CUDA, "
                             "else cpu (default: auto)")
