@@ -176,6 +176,19 @@ def test_extreme_but_valid_seeds_parse():
     assert parse_args(parser, ["--seed", "0", "--momentum", "0", "--wd", "0"]).momentum == 0.0
 
 
+def test_a_flag_error_is_printed_by_rank_0_only(capsys, monkeypatch):
+    """Every rank parses the same argv; a bad flag value is one line from rank 0, not one a rank."""
+    parser = add_log_args(build_parser("t"))
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            parse_args(parser, ["--momentum", "1"])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2
+        assert ("--momentum" in err) is printed, (rank, err)
+
+
 def test_resume_that_changes_the_runs_meaning(usage_error, first_run, tiny_folder, tmp_path):
     checkpoint = first_run / "checkpoint.pth.tar"
     # Other class names: the labels would silently mean other classes.

@@ -72,7 +72,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        # Every process of a run parses the same command line, so only the main one (RANK 0, or no
+        # RANK) prints the line, as exit_on_usage_error does for the errors found after parsing.
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 
     def parse_known_args(self, args=None, namespace=None):
