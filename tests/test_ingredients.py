@@ -11,7 +11,7 @@ from conftest import FINAL, QUICK, run_script
 from test_train import usage_error  # noqa: F401  (the in-process refusal fixture)
 from utils.engine import train_one_epoch
 from utils.errors import UsageError
-from utils.precision import Precision, resolve_recipe
+from utils.precision import Precision, clip_grad_norm_fp32, resolve_recipe
 from utils.recipe import BatchAugment, build_criterion, build_mixup, build_optimizer
 
 
@@ -85,6 +85,18 @@ def test_clip_grad_bounds_the_update(accelerator):
     step = lambda model: torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), before)]).norm()
     assert step(clipped) <= lr * 0.01 * 1.001
     assert step(free) > 10 * lr * 0.01
+
+
+def test_clip_grad_at_o3_fp16_sums_the_norm_in_fp32():
+    """A finite fp16 gradient whose norm passes fp16's 65,504: the norm is summed in fp32, so the
+    step is clipped, not scaled to nothing by an inf total (torch sums in the gradient's dtype)."""
+    param = nn.Parameter(torch.zeros(300, 300, dtype=torch.float16))
+    param.grad = torch.full((300, 300), 300.0, dtype=torch.float16)  # norm 90,000
+    with torch.no_grad():
+        assert torch.isinf(torch.linalg.vector_norm(torch.stack(torch._foreach_norm([param.grad]))))
+    total = clip_grad_norm_fp32([param], 1.0)
+    assert total.item() == pytest.approx(90000.0, rel=1e-3)
+    assert param.grad.float().norm().item() == pytest.approx(1.0, rel=1e-2)
 
 
 @pytest.mark.parametrize("opt", ["adamw", "lamb", "nesterov"])

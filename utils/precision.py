@@ -306,6 +306,18 @@ def cast_model(model, dtype, keep_bn_fp32):
     return model
 
 
+def clip_grad_norm_fp32(params, max_norm):
+    """torch's clip_grad_norm_, with the norm summed in fp32: torch sums each gradient's norm in the
+    gradient's dtype, so at O3 an fp16 gradient whose norm passed 65,504 made the total inf and
+    scaled every gradient to 0: a step lost without being skipped or counted."""
+    if not params:
+        return torch.zeros(())
+    norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
 class Precision:
     """Applies a Recipe to a model and runs backward/step the way the recipe says."""
 
@@ -370,8 +382,7 @@ class Precision:
             # After unscaling (masters at O2), so N bounds the true gradient. On an overflow step the
             # norm is inf and the grads become 0/NaN: harmless, the step is skipped on found_inf,
             # which was computed before clipping.
-            torch.nn.utils.clip_grad_norm_([p for p in self.optimizer_params() if p.grad is not None],
-                                           self.clip_grad, foreach=True)
+            clip_grad_norm_fp32([p for p in self.optimizer_params() if p.grad is not None], self.clip_grad)
         if self.skips_on_device:
             raw.found_inf = found_inf  # read by the fused SGD/AdamW kernels: they leave everything as is when 1
             optimizer.step()
