@@ -42,9 +42,9 @@ from utils.errors import UsageError, exit_on_usage_error
 from utils.files import atomic_write, output_file_problem
 from utils.logs import Progress
 from utils.models import REFUSED, build_model, check_input_size, torchvision_names
-from utils.precision import HALF_DTYPES, Precision
-from utils.setup import (RUN_FILES, fp32_over_inherited_level, keep_bn_for_opt_level, make_accelerator, parse_args,
-                         warn)
+from utils.precision import Precision
+from utils.setup import (RUN_FILES, checkpoint_half_dtype, fp32_over_inherited_level, half_dtype_to_inherit,
+                         keep_bn_for_opt_level, make_accelerator, parse_args, warn)
 
 # Training settings eval.py inherits from the checkpoint when the command line leaves them out.
 FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "interpolation", "mean", "std",
@@ -149,14 +149,6 @@ def checkpoint_num_classes(checkpoint):
     return int(matrices[-1].shape[0])
 
 
-def checkpoint_half_dtype(checkpoint):
-    """fp16/bf16 the checkpoint was trained with, or None (fp32, or not recorded)."""
-    for value in (checkpoint.get("mixed_precision"), (checkpoint.get("args") or {}).get("mixed_precision")):
-        if value in HALF_DTYPES:
-            return value
-    return None
-
-
 def parse_eval_args(argv):
     """Command line over checkpoint: argparse's own precedence does the merge, because the
     checkpoint's settings become the parser's defaults before the second, real, parse."""
@@ -182,7 +174,8 @@ def parse_eval_args(argv):
         given = given | {"opt_level"}
     keep_bn_for_opt_level(args, "opt_level" in given, "keep_batchnorm_fp32" in given, defaults["opt_level"])
     check_against_checkpoint(args, given, checkpoint, defaults)
-    inherit_half_dtype(args, checkpoint)
+    if args.mixed_precision is None:  # the checkpoint's fp16/bf16 unless a flag or Accelerate names one
+        args.mixed_precision = half_dtype_to_inherit(checkpoint, args.opt_level)
     return args, checkpoint
 
 
@@ -233,16 +226,6 @@ def check_against_checkpoint(args, given, checkpoint, defaults):
     if "data" not in given and is_path and not os.path.exists(data):
         raise UsageError(f"{path!r} was trained on DATA {data!r}, which does not exist here; give DATA "
                          "(the folder holding val/) on the command line")
-
-
-def inherit_half_dtype(args, checkpoint):
-    """Use the checkpoint's fp16/bf16 unless --mixed-precision or the Accelerate config names one.
-
-    O0 stays fp32 whatever the checkpoint was trained with.
-    """
-    from_accelerate = os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() in HALF_DTYPES
-    if args.mixed_precision is None and not from_accelerate and args.opt_level != "O0":
-        args.mixed_precision = checkpoint_half_dtype(checkpoint)
 
 
 def check_classes(data, checkpoint, args):

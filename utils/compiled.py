@@ -45,7 +45,7 @@ def resolve_compile(args):
     backends = torch._dynamo.list_backends(exclude_tags=())
     if from_accelerate not in backends:
         raise UsageError(f"Accelerate's dynamo_backend {from_accelerate!r} is not a torch.compile backend "
-                         f"here ({', '.join(torch._dynamo.list_backends())}); fix the config or drop it")
+                         f"here ({', '.join(backends)}); fix the config or drop it")
     args.compile = from_accelerate
     # `accelerate launch --dynamo_mode` (the yaml's dynamo_mode) comes with the backend; a typed
     # --compile-mode wins over it.

@@ -13,7 +13,7 @@ from .compiled import compile_model, resolve_compile
 from .errors import UsageError, first_line
 from .files import TEMP_PREFIX, atomic_write, writer_gone
 from .models import build_model, check_input_size, has_2d_convolutions, model_data_config
-from .precision import Precision, cpu_fp16_note, requested_mixed_precision, resolve_recipe
+from .precision import HALF_DTYPES, Precision, cpu_fp16_note, requested_mixed_precision, resolve_recipe
 from .recipe import build_ema, build_optimizer
 
 
@@ -205,21 +205,28 @@ def resume_flags(parser, args, typed=()):
     if flags.get("compile") not in (None, False, True):  # the backend the run resolved --compile to
         flags["compile"] = True
     if "mixed_precision" in dests and flags.get("mixed_precision") is None:
-        flags.update(inherited_half_dtype(checkpoint))
+        dtype = half_dtype_to_inherit(checkpoint, checkpoint.get("opt_level") or "O0")
+        flags.update({"mixed_precision": dtype} if dtype else {})
     lines.append(f"=> --resume: {len(flags)} flags from {args.resume} (flags typed again win)")
     return flags, lines
 
 
-def inherited_half_dtype(checkpoint):
-    """{"mixed_precision": dtype} for a half-precision run whose dtype came from Accelerate (a launch
-    with --mixed_precision bf16), so no flag stored it: resumed under a config saying 'no', as the
-    shipped yamls do, it went on in Apex's fp16. An Accelerate setting naming a half dtype now wins."""
-    dtype = checkpoint.get("mixed_precision")
-    if checkpoint.get("opt_level") in (None, "O0") or dtype not in ("fp16", "bf16"):
-        return {}
-    if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() in ("fp16", "bf16"):
-        return {}
-    return {"mixed_precision": dtype}
+def checkpoint_half_dtype(checkpoint):
+    """fp16/bf16 the checkpoint was trained with, or None (fp32, or not recorded)."""
+    for value in (checkpoint.get("mixed_precision"), (checkpoint.get("args") or {}).get("mixed_precision")):
+        if value in HALF_DTYPES:
+            return value
+    return None
+
+
+def half_dtype_to_inherit(checkpoint, opt_level):
+    """The checkpoint's fp16/bf16 for a run at a half opt level that names no dtype itself, unless
+    Accelerate's setting names one (it wins); None otherwise. A run whose dtype came from Accelerate
+    (`accelerate launch --mixed_precision bf16`) stored no flag: resumed or evaluated under a config
+    saying 'no', as the shipped yamls do, it went on in Apex's fp16."""
+    if opt_level == "O0" or os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() in HALF_DTYPES:
+        return None
+    return checkpoint_half_dtype(checkpoint)
 
 
 def check_lr_steps(args):
