@@ -138,3 +138,10 @@ def test_accelerate_eager_dynamo_backend_is_honoured_once(tiny_folder, tmp_path)
     evaluated = run_script("eval.py", "--resume", out / "checkpoint.pth.tar", "-j", "0", env=env)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "torch.compile (eager): first forward" in evaluated.stdout
+    # Resumed without that setting, the run keeps its backend (it went on with inductor before).
+    resumed = run_script("train.py", tiny_folder, *QUICK, "--steps-per-epoch", "2", "--epochs", "2",
+                         "--resume", out, "-j", "0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "torch.compile with backend eager, as the resumed run was compiled" in resumed.stderr + resumed.stdout
+    assert resumed.stdout.count("torch.compile (eager): first forward") == 1
+    assert "torch.compile (inductor)" not in resumed.stdout

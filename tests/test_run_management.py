@@ -202,6 +202,11 @@ def test_resume_reads_back_what_the_run_resolved(tmp_path):
     assert parse(["--resume", tmp_path, "--opt-level", "O3", "--config", recipe]).keep_batchnorm_fp32 is True
     with pytest.raises(UsageError, match="--pretrained and --resume"):
         parse(["--resume", tmp_path, "--pretrained"])
+    state["args"]["compile"] = "eager"  # chosen by Accelerate's dynamo_backend: kept, unless typed
+    save_checkpoint(state, False, tmp_path)
+    assert parse(["--resume", tmp_path, "--epochs", "2"]).compile == "eager"
+    assert parse(["--resume", tmp_path, "--epochs", "2", "--compile", "True"]).compile is True
+    assert parse(["--resume", tmp_path, "--epochs", "2", "--compile", "False"]).compile is False
 
 
 def test_resume_keeps_the_half_dtype_that_accelerate_chose(tmp_path, monkeypatch):

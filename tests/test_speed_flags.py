@@ -92,6 +92,18 @@ def test_compile_mode_reaches_torch_compile():
     assert compile_model(model, "eager", lines.append, "reduce-overhead")._eval_mode is None
 
 
+def test_a_resumed_runs_other_backend_is_kept_unless_accelerate_names_one(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    args = argparse.Namespace(compile="aot_eager", compile_mode="default")  # from the checkpoint
+    assert "backend aot_eager, as the resumed run" in resolve_compile(args) and args.compile == "aot_eager"
+    with pytest.raises(UsageError, match="compiled with backend 'fx2trt_missing'.*--compile True"):
+        resolve_compile(argparse.Namespace(compile="fx2trt_missing", compile_mode="default"))
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")  # the launch's setting wins
+    args = argparse.Namespace(compile="aot_eager", compile_mode="default")
+    resolve_compile(args)
+    assert args.compile == "eager"
+
+
 def test_accelerate_dynamo_mode_is_honoured(monkeypatch):
     """`accelerate launch --dynamo_backend inductor --dynamo_mode reduce-overhead` compiled in the
     default mode: ACCELERATE_DYNAMO_MODE was never read. It is now the mode unless --compile-mode

@@ -38,8 +38,16 @@ def resolve_compile(args):
     if mode != "default" and not (args.compile or from_accelerate):
         raise UsageError(f"--compile-mode {mode} needs --compile; add it or drop --compile-mode")
     if not from_accelerate:
-        args.compile = DEFAULT_BACKEND if args.compile else False
-        return None
+        resumed = args.compile if isinstance(args.compile, str) and args.compile != DEFAULT_BACKEND else None
+        if resumed is None:
+            args.compile = DEFAULT_BACKEND if args.compile else False
+            return None
+        # A resumed run that Accelerate's setting compiled with another backend keeps it, also
+        # when resumed without that config (it went on with inductor before).
+        if resumed not in torch._dynamo.list_backends(exclude_tags=()):
+            raise UsageError(f"--resume: the run was compiled with backend {resumed!r}, which torch.compile "
+                             "here lacks; add --compile True (inductor) or --compile False")
+        return f"torch.compile with backend {resumed}, as the resumed run was compiled (compiled once, by this script)"
     # Every registered backend: list_backends() alone hides those tagged debug, and so refused
     # Accelerate's EAGER and AOT_EAGER, which torch.compile takes.
     backends = torch._dynamo.list_backends(exclude_tags=())

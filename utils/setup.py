@@ -9,7 +9,7 @@ import torch
 
 from .checkpoint import BEST, CHECKPOINT, kept_checkpoints, load_checkpoint, load_model_weights
 from .cli import apply_source_defaults, source_kind, typed_dests
-from .compiled import compile_model, resolve_compile
+from .compiled import DEFAULT_BACKEND, compile_model, resolve_compile
 from .errors import UsageError, first_line
 from .files import TEMP_PREFIX, atomic_write, writer_gone
 from .models import build_model, check_input_size, has_2d_convolutions, model_data_config
@@ -66,14 +66,19 @@ def parse_flags(parser, argv=None):
     keep_bn_default = parser.get_default("keep_batchnorm_fp32")  # before the checkpoint's replaces it
     pipeline_defaults = {dest: parser.get_default(dest) for dest in PIPELINE_FLAGS}  # and the --config's
     option_defaults = {dest: parser.get_default(dest) for options in SWITCH_OPTIONS.values() for dest in options}
+    # The backend the run resolved --compile to (inductor, or Accelerate's eager...): argparse would read
+    # it through --compile's True|False type, so it goes in as True and is put back below.
+    resumed_backend = stored.get("compile") if isinstance(stored.get("compile"), str) else None
     if stored:
-        parser.set_defaults(**stored)
+        parser.set_defaults(**{**stored, **({"compile": True} if resumed_backend else {})})
     configured = load_config(parser, first.config) if first.config else {}
     parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
     warnings = reject_pipeline_flags(args, typed, configured, pipeline_defaults)
     given = typed | set(configured)  # a --config's flags override the checkpoint's as typed ones do
+    if resumed_backend not in (None, DEFAULT_BACKEND) and "compile" not in given:
+        args.compile = resumed_backend  # utils.compiled.resolve_compile keeps it unless Accelerate names one
     if fp32_over_inherited_level(args, given):
         given |= {"opt_level"}
     if "keep_batchnorm_fp32" in stored:
@@ -202,8 +207,6 @@ def resume_flags(parser, args, typed=()):
     stored = checkpoint.get("args") or {}
     dests = {action.dest for action in parser._actions}
     flags = {dest: value for dest, value in stored.items() if dest in dests and dest not in NOT_RESUMED}
-    if flags.get("compile") not in (None, False, True):  # the backend the run resolved --compile to
-        flags["compile"] = True
     if "mixed_precision" in dests and flags.get("mixed_precision") is None:
         dtype = half_dtype_to_inherit(checkpoint, checkpoint.get("opt_level") or "O0")
         flags.update({"mixed_precision": dtype} if dtype else {})
