@@ -184,7 +184,7 @@ def test_resume_names_each_changed_flag(cache_dir, tmp_path, capsys):
     assert args.batch_size == 16 and args.resume == os.path.join(str(tmp_path), "checkpoint.pth.tar")
 
 
-def test_resume_reads_back_what_the_run_resolved(tmp_path):
+def test_resume_reads_back_what_the_run_resolved(tmp_path, capsys):
     """A checkpoint's args hold what the run resolved: --compile as its backend name, the
     --keep-batchnorm-fp32 chosen for its level, --pretrained. A resumed run compiles again; a
     typed --opt-level of another level drops the keep-BN choice made for the old one (typed or
@@ -195,6 +195,7 @@ def test_resume_reads_back_what_the_run_resolved(tmp_path):
     save_checkpoint(state, False, tmp_path)
     args = parse(["--resume", tmp_path, "--epochs", "2"])
     assert args.compile is True and args.opt_level == "O2" and args.keep_batchnorm_fp32 is False
+    assert "--compile True (checkpoint" not in capsys.readouterr().out  # inductor is what True means
     assert parse(["--resume", tmp_path, "--opt-level", "O2"]).keep_batchnorm_fp32 is False
     assert parse(["--resume", tmp_path, "--opt-level", "O1"]).keep_batchnorm_fp32 is None
     assert parse(["--resume", tmp_path, "--opt-level", "O3", "--keep-batchnorm-fp32", "True"]).keep_batchnorm_fp32

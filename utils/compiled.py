@@ -37,20 +37,20 @@ def resolve_compile(args):
     mode = getattr(args, "compile_mode", "default")
     if mode != "default" and not (args.compile or from_accelerate):
         raise UsageError(f"--compile-mode {mode} needs --compile; add it or drop --compile-mode")
-    if not from_accelerate:
-        resumed = args.compile if isinstance(args.compile, str) and args.compile != DEFAULT_BACKEND else None
-        if resumed is None:
-            args.compile = DEFAULT_BACKEND if args.compile else False
-            return None
-        # A resumed run that Accelerate's setting compiled with another backend keeps it, also
-        # when resumed without that config (it went on with inductor before).
-        if resumed not in torch._dynamo.list_backends(exclude_tags=()):
-            raise UsageError(f"--resume: the run was compiled with backend {resumed!r}, which torch.compile "
-                             "here lacks; add --compile True (inductor) or --compile False")
-        return f"torch.compile with backend {resumed}, as the resumed run was compiled (compiled once, by this script)"
+    # A resumed run that Accelerate's setting compiled with another backend keeps it, also when
+    # resumed without that setting (it went on with inductor before).
+    resumed = args.compile if isinstance(args.compile, str) and args.compile != DEFAULT_BACKEND else None
+    if not (from_accelerate or resumed):
+        args.compile = DEFAULT_BACKEND if args.compile else False
+        return None
     # Every registered backend: list_backends() alone hides those tagged debug, and so refused
     # Accelerate's EAGER and AOT_EAGER, which torch.compile takes.
     backends = torch._dynamo.list_backends(exclude_tags=())
+    if not from_accelerate:
+        if resumed not in backends:
+            raise UsageError(f"--resume: the run was compiled with backend {resumed!r}, which torch.compile "
+                             "here lacks; add --compile True (inductor) or --compile False")
+        return f"torch.compile with backend {resumed}, as the resumed run was compiled (compiled once, by this script)"
     if from_accelerate not in backends:
         raise UsageError(f"Accelerate's dynamo_backend {from_accelerate!r} is not a torch.compile backend "
                          f"here ({', '.join(backends)}); fix the config or drop it")

@@ -66,8 +66,8 @@ def parse_flags(parser, argv=None):
     keep_bn_default = parser.get_default("keep_batchnorm_fp32")  # before the checkpoint's replaces it
     pipeline_defaults = {dest: parser.get_default(dest) for dest in PIPELINE_FLAGS}  # and the --config's
     option_defaults = {dest: parser.get_default(dest) for options in SWITCH_OPTIONS.values() for dest in options}
-    # The backend the run resolved --compile to (inductor, or Accelerate's eager...): argparse would read
-    # it through --compile's True|False type, so it goes in as True and is put back below.
+    # A backend other than inductor that the run resolved --compile to (Accelerate's eager...): argparse
+    # would read it through --compile's True|False type, so it goes in as True and is put back below.
     resumed_backend = stored.get("compile") if isinstance(stored.get("compile"), str) else None
     if stored:
         parser.set_defaults(**{**stored, **({"compile": True} if resumed_backend else {})})
@@ -77,7 +77,7 @@ def parse_flags(parser, argv=None):
     args.resume, args.output_dir = first.resume, first.output_dir  # as resolved by resume_flags
     warnings = reject_pipeline_flags(args, typed, configured, pipeline_defaults)
     given = typed | set(configured)  # a --config's flags override the checkpoint's as typed ones do
-    if resumed_backend not in (None, DEFAULT_BACKEND) and "compile" not in given:
+    if resumed_backend and "compile" not in given:
         args.compile = resumed_backend  # utils.compiled.resolve_compile keeps it unless Accelerate names one
     if fp32_over_inherited_level(args, given):
         given |= {"opt_level"}
@@ -207,6 +207,8 @@ def resume_flags(parser, args, typed=()):
     stored = checkpoint.get("args") or {}
     dests = {action.dest for action in parser._actions}
     flags = {dest: value for dest, value in stored.items() if dest in dests and dest not in NOT_RESUMED}
+    if flags.get("compile") == DEFAULT_BACKEND:  # what --compile resolved to; another backend stays (parse_flags)
+        flags["compile"] = True
     if "mixed_precision" in dests and flags.get("mixed_precision") is None:
         dtype = half_dtype_to_inherit(checkpoint, checkpoint.get("opt_level") or "O0")
         flags.update({"mixed_precision": dtype} if dtype else {})
