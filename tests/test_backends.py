@@ -72,6 +72,60 @@ def test_starting_an_epoch_sets_the_workers_going_on_its_first_batches(tiny_fold
     batches.close()
 
 
+def test_starting_an_epoch_forks_the_val_workers_first_and_validation_uses_them(tiny_folder):
+    """The first start_epoch starts validation's loader (its workers fork) before the next
+    epoch's batches: forking beside the gpu backend's decode threads hung a CUDA run. The
+    validation that follows reads that started iterator; later ones start their own."""
+    from types import SimpleNamespace
+    from utils.batches import sharded_data, val_transform
+    train_set = image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5))
+    val_set = image_folder(tiny_folder, "val", val_transform(24, 0.875))
+    args = SimpleNamespace(aa="none", data_backend="cpu", batch_size=4, seed=3, workers=1, channels_last=False,
+                           image_size=24, interpolation="bilinear")
+    accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
+    data = sharded_data(train_set, val_set, 3, args, accel, (0.5,) * 3, (0.5,) * 3)
+    val_loader = data.val.loader
+    assert val_loader._iterator is None  # no val workers before the first epoch ends
+    batches = data.start_epoch(1)
+    val_workers = val_loader._iterator._workers
+    assert val_workers and all(worker.is_alive() for worker in val_workers)
+    started = data.val_batches()
+    assert sum(len(targets) for _, targets in started) == len(val_set)
+    again = data.val_batches()
+    assert again is not started and sum(len(targets) for _, targets in again) == len(val_set)
+    assert val_loader._iterator._workers == val_workers  # persistent: nothing forked again
+    data.start_epoch(2).close()
+    assert data.val_batches() is not None and val_loader._iterator._workers == val_workers
+    batches.close()
+
+
+def test_gpu_batches_start_their_loader_in_the_callers_thread():
+    """iter(GpuBatches) iterates its loader (a DataLoader forks its workers there) in the
+    thread that asked, never in a decode thread, at every thread count."""
+    import threading
+    from types import SimpleNamespace
+    from utils.gpu_batches import GpuBatches
+
+    class Recorded:
+        def __init__(self):
+            self.threads = []
+
+        def __iter__(self):
+            self.threads.append(threading.current_thread())
+            return iter(range(5))
+
+        def __len__(self):
+            return 5
+
+    decoder = SimpleNamespace(cuda=False, decode_stage=lambda item: (item,), resample=lambda item: item * 10)
+    decoder_call = lambda item: item * 10  # noqa: E731
+    for threads, decode in ((0, decoder_call), (1, decoder_call), (2, decoder)):
+        loader = Recorded()
+        batches = iter(GpuBatches(loader, decode, threads=threads))
+        assert loader.threads == [threading.current_thread()], threads
+        assert list(batches) == [0, 10, 20, 30, 40], threads
+
+
 def resolved(device_type, **flags):
     args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False)
     vars(args).update(flags)

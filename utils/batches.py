@@ -209,6 +209,9 @@ class Data:
     val_size: int          # images in the whole val split (all ranks together)
     train_sampler: object = None
     classes: list = None   # class names in label order, where the source has them (eval.py checks them)
+    _val_started: object = None  # validation's batches, started by start_epoch before the train threads
+    _val_forked: bool = False
+
 
     def set_epoch(self, epoch, first_step=0):
         if self.train_sampler is not None:
@@ -217,9 +220,23 @@ class Data:
     def start_epoch(self, epoch):
         """The epoch's training batches from its first step, their loading already under way
         (loader workers and the gpu backend's decode threads start here, not at the first batch
-        taken). close() them if they go unused."""
+        taken). close() them if they go unused.
+
+        The first time, validation's batches are started before them: the val loader forks its
+        workers on its first iteration, and forking while the gpu backend's decode threads run
+        CUDA work hung the process (an H100, nvJPEG threads of the next epoch, --compile-mode
+        reduce-overhead: the fork never returned). Later iterations reuse those workers
+        (persistent), so nothing forks beside the threads again."""
+        if not self._val_forked:
+            self._val_forked = True
+            self._val_started = iter(self.val)
         self.set_epoch(epoch)
         return iter(self.train)
+
+    def val_batches(self):
+        """An iterator over validation's batches: the one start_epoch started, else a new one."""
+        started, self._val_started = self._val_started, None
+        return started if started is not None else iter(self.val)
 
 
 def _loader(dataset, sampler, args, device, collate_fn=fast_collate, pin_memory=True):

@@ -332,7 +332,8 @@ def validate(model, data, precision, accelerator, args, criterion, log=print, pr
     start = time.perf_counter()
     progress.begin(steps, "Test", unit="batch")
     run_ahead = RunAhead(accelerator.device)
-    for step, (images, target) in enumerate(data.val):
+    batches = data.val_batches()  # the iterator Data.start_epoch started, if it did
+    for step, (images, target) in enumerate(batches):
         with precision.autocast():
             output = model(images)
             loss = criterion(output, target)

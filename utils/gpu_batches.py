@@ -680,11 +680,14 @@ class GpuBatches:
         return len(self.loader)
 
     def __iter__(self):
+        # iter(loader) here, in the caller's thread: a DataLoader forks its workers on its first
+        # iteration, and that must not happen in a decode thread beside other CUDA work
+        packed_batches = iter(self.loader)
         if self.threads == 0:
-            return (self.decoder(packed) for packed in self.loader)
+            return (self.decoder(packed) for packed in packed_batches)
         if self.threads == 1:
-            return WorkAhead(self.loader, self.decoder, self.AHEAD)
-        decoded = WorkAhead(self.loader, self.decoder.decode_stage, 1)
+            return WorkAhead(packed_batches, self.decoder, self.AHEAD)
+        decoded = WorkAhead(packed_batches, self.decoder.decode_stage, 1)
         return WorkAhead(decoded, lambda staged: self.decoder.resample(*staged), self.AHEAD)
 
 
