@@ -212,7 +212,6 @@ class Data:
     _val_started: object = None  # validation's batches, started by start_epoch before the train threads
     _val_forked: bool = False
 
-
     def set_epoch(self, epoch, first_step=0):
         if self.train_sampler is not None:
             self.train_sampler.set_epoch(epoch, first_step)
