@@ -1,18 +1,20 @@
 """profile.py: the --prof window, the phase table, --trace, --benchmark, and the NVTX/cudaProfiler calls."""
 import csv
+import gc
 import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from conftest import ROOT, run_script
 from utils.errors import exit_on_usage_error
-from utils.profiling import DATA_RANGE, WAIT_RANGE, NvtxWindow, PhaseProfiler, WallClock
+from utils.profiling import DATA_RANGE, WAIT_RANGE, NvtxWindow, PhaseProfiler, WallClock, format_waits_and_gc
 
 TINY = ["-a", "resnet18", "--image-size", "16"]
 PHASES = ["data wait", "host-to-device", "forward", "backward", "optimizer step", "other"]
@@ -69,6 +71,10 @@ def test_phase_table_adds_up_to_the_step(digits_profile):
     assert re.search(r"^throughput: [\d.]+ img/s", result.stdout, flags=re.M)
     assert "peak GPU memory:" in result.stdout
     assert "precision: O0 fp32" in result.stdout
+    # the window is steps 3-4: the longest wait names one of them
+    assert re.search(r"^data wait per step: median [\d.]+ ms, longest [\d.]+ ms \(step [34]\); \d of 2 steps",
+                     result.stdout, flags=re.M), result.stdout
+    assert re.search(r"^Python garbage collection in the window: (none|\d+ collection)", result.stdout, flags=re.M)
     if not torch.cuda.is_available():
         assert "NVTX" in result.stderr and "cudaProfiler" in result.stderr and "CUDA-event" in result.stderr
 
@@ -183,6 +189,34 @@ def test_nvtx_window_calls_and_counts_across_epochs(monkeypatch, hook):
     if hook is PhaseProfiler:
         labels = [label for label, _ in phases.times.phases]
         assert labels == PHASES and phases.times.steps == 3
+
+
+def test_phase_profiler_finds_the_long_wait_and_the_collections_of_the_window():
+    """One slow batch among quick ones, and a collection inside the window and one after it."""
+    phases = PhaseProfiler(1, 4, nvtx=False, clock=WallClock())
+    for step in range(6):
+        phases.begin_step(step)
+        with phases.range(DATA_RANGE):
+            with phases.range(WAIT_RANGE):
+                if step == 3:
+                    time.sleep(0.25)
+        for name in LOOP_RANGES[1:]:
+            with phases.range(name):
+                if step == 2 and name == "forward":
+                    gc.collect()
+        if phases.end_step(step):
+            break
+    gc.collect()  # after the window: not counted
+    times = phases.times
+    assert step == 4 and len(times.data_waits) == 4
+    assert max(range(4), key=times.data_waits.__getitem__) == 2 and times.data_waits[2] >= 240
+    assert [generation for generation, _ in times.gc_pauses].count(2) == 1
+    assert phases._time_gc not in gc.callbacks
+    lines = format_waits_and_gc(times)
+    assert re.match(r"data wait per step: median [\d.]+ ms, longest 2\d\d\.\d+ ms \(step 3\); [1-4] of 4 steps "
+                    r"waited over 1 ms", lines[0]), lines
+    assert re.match(r"Python garbage collection in the window: \d+ collection\(s\) \(gen0 \d+, gen1 \d+, gen2 1\), "
+                    r"[\d.]+ ms in all", lines[1]), lines
 
 
 @pytest.mark.gpu

@@ -12,7 +12,9 @@ range(name) and stops when end_step(step) returns True. The hooks:
 """
 import contextlib
 import csv
+import gc
 import io
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -137,6 +139,8 @@ class PhaseTimes:
     steps: int
     first_step: int
     clock: str
+    data_waits: list = field(default_factory=list)  # ms each window step waited for its batch
+    gc_pauses: list = field(default_factory=list)   # (generation, wall ms) of each collection in the window
 
     @property
     def phase_sum_ms(self):
@@ -166,6 +170,16 @@ class PhaseProfiler(NvtxWindow):
         self.step_function = None
         self.wall_start = self.wall_end = 0.0   # perf_counter at the synced ends of the window
         self.times = None
+        self.gc_pauses = []       # (generation, ms) of Python's collections inside the window
+        self._gc_started = None
+
+    def _time_gc(self, phase, info):
+        # gc.callbacks: a collection holds the GIL from start to stop, so pairs never interleave
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self.gc_pauses.append((info["generation"], (time.perf_counter() - self._gc_started) * 1e3))
+            self._gc_started = None
 
     def begin_step(self, step):
         super().begin_step(step)  # first, so cudaProfilerStart's own cost stays out of the timing
@@ -210,9 +224,12 @@ class PhaseProfiler(NvtxWindow):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.trace = torch.profiler.profile(activities=activities)
             self.trace.start()
+        gc.callbacks.append(self._time_gc)
         self.wall_start = time.perf_counter()
 
     def _close_window(self):
+        if self._time_gc in gc.callbacks:
+            gc.callbacks.remove(self._time_gc)
         self.times = self._summarise()
         if self.trace is not None:
             self.trace.stop()
@@ -225,9 +242,13 @@ class PhaseProfiler(NvtxWindow):
         elapsed = self.clock.elapsed_ms
         span = elapsed(self.step_marks[0], self.step_marks[-1])
         top, nested = {}, {}
+        waits = {DATA_RANGE: [], WAIT_RANGE: []}  # one of each per step, in step order
         for name, depth, start, end in self.records:
             totals = top if depth == 0 else nested
-            totals[name] = totals.get(name, 0.0) + elapsed(start, end)
+            ms = elapsed(start, end)
+            totals[name] = totals.get(name, 0.0) + ms
+            if name in waits:
+                waits[name].append(ms)
         phases = []
         for name, total in top.items():
             if name == DATA_RANGE:
@@ -237,7 +258,8 @@ class PhaseProfiler(NvtxWindow):
         phases.append(("other", span - sum(top.values())))
         step_ms = (self.wall_end - self.wall_start) * 1e3 / steps
         return PhaseTimes([(label, ms / steps) for label, ms in phases], step_ms, steps,
-                          self.start_step, self.clock.name)
+                          self.start_step, self.clock.name,
+                          data_waits=waits[WAIT_RANGE] or waits[DATA_RANGE], gc_pauses=list(self.gc_pauses))
 
 
 def _split_data(data_ms, wait_ms):
@@ -312,11 +334,36 @@ def format_phase_table(times, images_per_step, peak_bytes, recipe_line, skipped=
                      f"{100 * times.mismatch():.0f}% off the measured step")
     lines.append(f"throughput: {images_per_step * 1e3 / step:.1f} img/s (steady state, "
                  f"{images_per_step} images a step)")
+    lines.extend(format_waits_and_gc(times))
     lines.append(f"peak GPU memory: {format_gib(peak_bytes)}")
     lines.append(recipe_line)
     if skipped:
         lines.append(f"skipped without CUDA: {skipped}")
     return "\n".join(lines)
+
+
+def format_waits_and_gc(times, long_ms=1.0):
+    """Two lines under the table: is the mean data wait a little every step or a few long stalls,
+    and did Python's garbage collector pause the process (it holds the GIL: the loop and the
+    input threads stop) inside the window."""
+    lines = []
+    waits = times.data_waits
+    if waits:
+        longest = max(range(len(waits)), key=waits.__getitem__)
+        over = sum(ms > long_ms for ms in waits)
+        lines.append(f"data wait per step: median {statistics.median(waits):.3f} ms, longest "
+                     f"{waits[longest]:.3f} ms (step {times.first_step + longest}); {over} of "
+                     f"{len(waits)} steps waited over {long_ms:g} ms")
+    pauses = times.gc_pauses
+    if pauses:
+        counts = {generation: sum(g == generation for g, _ in pauses) for generation in (0, 1, 2)}
+        generation, longest = max(pauses, key=lambda pause: pause[1])
+        lines.append(f"Python garbage collection in the window: {len(pauses)} collection(s) (gen0 {counts[0]}, "
+                     f"gen1 {counts[1]}, gen2 {counts[2]}), {sum(ms for _, ms in pauses):.1f} ms in all "
+                     f"(wall clock, GIL held), longest {longest:.1f} ms (gen{generation})")
+    else:
+        lines.append("Python garbage collection in the window: none")
+    return lines
 
 
 def format_gib(peak_bytes):
