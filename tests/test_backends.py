@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import QUICK, TINY, run_script
+from conftest import QUICK, run_script
 from test_train import usage_error  # noqa: F401  (fixture)
 from utils.batches import SeededSamples, train_transform
 from utils.crops import TrainBoxes

@@ -1,7 +1,6 @@
 """The gpu input backend's pieces: shared crop boxes, header routing, byte packing, the batched
 decoder (on CPU tensors here; nvJPEG itself in the tests marked gpu)."""
 import io
-import os
 import sys
 
 import numpy as np
