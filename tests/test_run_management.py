@@ -70,6 +70,23 @@ def test_a_switch_before_a_word_that_is_no_data_still_refuses_it(tmp_path):
     assert args.compile and args.data == str(tmp_path)
 
 
+def test_a_switch_before_a_folder_named_like_a_value_is_refused_as_ambiguous(tmp_path, monkeypatch, capsys):
+    """--compile y with a folder y here: the value or DATA? Refused, saying how to write either."""
+    (tmp_path / "y").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--compile", "y"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--compile y: 'y' reads as the switch's value and is also a folder here" in err
+    assert "--compile=y" in err and "--compile ./y" in err
+    args = parse(["--compile", "./y"])  # both ways out work
+    assert args.compile and args.data == "./y"
+    args = parse(["--compile=y", "y"])
+    assert args.compile and args.data == "y"
+    assert parse(["--compile", "n"]).compile is False  # no folder n: the value, as before
+
+
 def test_a_warmup_as_long_as_the_run_is_named(tmp_path, capsys):
     """A recipe's warmup-epochs 5 with --epochs 3 typed never reaches the LR: a warning says so."""
     recipe = write(tmp_path / "r.yaml", "warmup-epochs: 5\n")

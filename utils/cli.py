@@ -93,7 +93,8 @@ def bare_switches(parser, argv):
     """argv with each switch that is followed by a word that reads as DATA (a path, digits,
     synthetic, hf:...) written as --switch=True: argparse would otherwise take DATA as the switch's
     value and refuse it (--compile /data/imagenet). Any other word stays the value, so a typo
-    (--channels-last maybe) is still refused."""
+    (--channels-last maybe) is still refused; a True/False word that is also a folder here
+    (--compile y, with a folder y) is refused as ambiguous."""
     switches = {option for action in parser._actions if action.type is str2bool and action.nargs == "?"
                 for option in action.option_strings}
     options = [option for action in parser._actions for option in action.option_strings]
@@ -112,6 +113,10 @@ def bare_switches(parser, argv):
         following = argv[position + 1] if position + 1 < len(argv) else None
         if following is not None and _reads_as_data(following) and is_switch(arg):
             arg += "=True"
+        elif following is not None and following.lower() in BOOL_WORDS and os.path.isdir(following) \
+                and is_switch(arg):
+            parser.error(f"{arg} {following}: {following!r} reads as the switch's value and is also a folder "
+                         f"here; write {arg}={following} for the value, or {arg} ./{following} to use the folder")
         out.append(arg)
     return out
 
