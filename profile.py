@@ -248,6 +248,7 @@ def run_benchmark(args):
             row.times = phases.times
         except torch.OutOfMemoryError:
             row.note = "out of memory"
+        phases.stop_timing_gc()  # an out-of-memory inside the window left it hooked
         del phases
         # Drop this configuration's model and optimizer (Accelerate keeps references) before the
         # next; free_memory also runs gc and empties the CUDA cache, so peaks don't carry over.

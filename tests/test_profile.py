@@ -217,6 +217,11 @@ def test_phase_profiler_finds_the_long_wait_and_the_collections_of_the_window():
                     r"waited over 1 ms", lines[0]), lines
     assert re.match(r"Python garbage collection in the window: \d+ collection\(s\) \(gen0 \d+, gen1 \d+, gen2 1\), "
                     r"[\d.]+ ms in all", lines[1]), lines
+    dying = PhaseProfiler(0, 4, nvtx=False, clock=WallClock())
+    dying.begin_step(0)  # the window opens, then the run dies inside it (profile.py --benchmark: out of memory)
+    assert dying._time_gc in gc.callbacks
+    dying.stop_timing_gc()
+    assert dying._time_gc not in gc.callbacks
 
 
 @pytest.mark.gpu

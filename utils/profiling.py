@@ -227,9 +227,13 @@ class PhaseProfiler(NvtxWindow):
         gc.callbacks.append(self._time_gc)
         self.wall_start = time.perf_counter()
 
-    def _close_window(self):
+    def stop_timing_gc(self):
+        """Unhook from gc.callbacks: at the window's end, or when a run dies inside the window."""
         if self._time_gc in gc.callbacks:
             gc.callbacks.remove(self._time_gc)
+
+    def _close_window(self):
+        self.stop_timing_gc()
         self.times = self._summarise()
         if self.trace is not None:
             self.trace.stop()
