@@ -99,9 +99,10 @@ def test_starting_an_epoch_forks_the_val_workers_first_and_validation_uses_them(
     batches.close()
 
 
-def test_gpu_batches_start_their_loader_in_the_callers_thread():
+def test_gpu_batches_start_their_loader_and_hand_over_in_the_callers_thread():
     """iter(GpuBatches) iterates its loader (a DataLoader forks its workers there) in the
-    thread that asked, never in a decode thread, at every thread count."""
+    thread that asked, never in a decode thread, at every thread count; with threads, each
+    batch is handed over (ordered with the step's stream) in that thread too, as it is taken."""
     import threading
     from types import SimpleNamespace
     from utils.gpu_batches import GpuBatches
@@ -117,13 +118,21 @@ def test_gpu_batches_start_their_loader_in_the_callers_thread():
         def __len__(self):
             return 5
 
-    decoder = SimpleNamespace(cuda=False, decode_stage=lambda item: (item,), resample=lambda item: item * 10)
-    decoder_call = lambda item: item * 10  # noqa: E731
-    for threads, decode in ((0, decoder_call), (1, decoder_call), (2, decoder)):
+    handed_over_in = []
+
+    def hand_over(staged):  # must run in the thread that takes the batch (it orders the step's stream)
+        handed_over_in.append(threading.current_thread())
+        return staged[0]
+
+    decoder = SimpleNamespace(cuda=False, decode_stage=lambda item: (item,), hand_over=hand_over,
+                              resample_ahead=lambda item: (item * 10, None, None))
+    for threads in (0, 1, 2):
         loader = Recorded()
-        batches = iter(GpuBatches(loader, decode, threads=threads))
+        handed_over_in.clear()
+        batches = iter(GpuBatches(loader, decoder if threads else (lambda item: item * 10), threads=threads))
         assert loader.threads == [threading.current_thread()], threads
         assert list(batches) == [0, 10, 20, 30, 40], threads
+        assert handed_over_in == ([threading.current_thread()] * 5 if threads else []), threads
 
 
 def resolved(device_type, **flags):

@@ -644,18 +644,25 @@ def test_gpu_decode_survives_queued_work_on_the_consumer_stream(mixed_folder, jp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gpu_threads_hand_over_the_decoders_batches_under_queued_work(mixed_folder, jpeg_decoder, threads):
+@pytest.mark.parametrize("consumer", ["default", "side"])
+def test_gpu_threads_hand_over_the_decoders_batches_under_queued_work(mixed_folder, jpeg_decoder, threads, consumer):
     """GpuBatches' threads on CUDA: each batch bit for bit what the decoder gives when called
-    directly, while the consumer keeps the default stream busy (batches read only after it)."""
+    directly, while the consumer keeps its stream busy (batches read only after it): the default
+    stream, or a side stream current in the consumer's thread only (the hand-over orders the
+    stream of the thread that takes the batch, not the decode threads' own current stream)."""
     dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
     batches = [pack_bytes([dataset[(index, epoch)] for index in range(len(dataset))]) for epoch in range(8)]
     decoder = gpu_decoder(dataset, jpeg_decoder)
     expected = [decoder(packed)[0].cpu() for packed in batches]
-    kept, slow = [], torch.randn(4096, 4096, device="cuda")
-    for images, _ in GpuBatches(batches, decoder, threads=threads):
-        for _ in range(10):
-            slow = slow @ slow.T / 4096
-        kept.append(images.clone())  # queued after the matmuls, on the default stream
+    stream = torch.cuda.current_stream() if consumer == "default" else torch.cuda.Stream()
+    kept = []
+    with torch.cuda.stream(stream):
+        slow = torch.randn(4096, 4096, device="cuda")
+        for images, _ in GpuBatches(batches, decoder, threads=threads):
+            for _ in range(10):
+                slow = slow @ slow.T / 4096
+            kept.append(images.clone())  # queued after the matmuls, on the consumer's stream
+    stream.synchronize()
     assert len(kept) == len(expected)
     for got, want in zip(kept, expected):
         assert torch.equal(got.cpu(), want)

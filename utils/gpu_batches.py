@@ -566,12 +566,20 @@ class GpuBatchDecoder:
 
     def resample(self, packed, pictures, ready):
         """Second half: crop, resize, flip, normalise on the resampling stream; returns (images,
-        targets), ordered before later work on the stream current at the call (the consumer's:
-        the one the step runs on), with record_stream keeping our allocator from reusing their
-        memory until the consumer is done with them."""
+        targets), ordered before later work on the stream current at the call (hand_over)."""
+        return self.hand_over(self.resample_ahead(packed, pictures, ready))
+
+    def resample_ahead(self, packed, pictures, ready):
+        """resample, leaving the order with the consumer's stream to hand_over: (images, targets,
+        done), done an event after their kernels (None on the CPU).
+
+        A decode thread works batches ahead of the step. Had it made the consumer's stream wait
+        here, that wait would land in the stream's queue wherever the training loop happened to
+        be, mid-way through an earlier step, and hold that step's later kernels until this
+        batch's resampling had run. hand_over, in the consumer's thread when it takes the batch,
+        puts the wait just before the first step that reads it."""
         if not self.cuda:
-            return self._finish(packed, pictures)
-        consumer = torch.cuda.current_stream(self.device)
+            return (*self._finish(packed, pictures), None)
         with torch.cuda.stream(self.stream):
             self.stream.synchronize()  # the previous batch's resampling: bounds what is queued
             # The pictures were allocated on the decode stream and are read on this one. Rather than
@@ -581,9 +589,21 @@ class GpuBatchDecoder:
             self.in_use = pictures
             self.stream.wait_event(ready)
             images, targets = self._finish(packed, pictures)
-        consumer.wait_stream(self.stream)
-        images.record_stream(consumer)
-        targets.record_stream(consumer)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return images, targets, done
+
+    @staticmethod
+    def hand_over(staged):
+        """(images, targets, done) from resample_ahead -> (images, targets), ordered before later
+        work on the calling thread's current stream (the step's), with record_stream keeping our
+        allocator from reusing their memory until that stream is done with them."""
+        images, targets, done = staged
+        if done is not None:
+            consumer = torch.cuda.current_stream(images.device)
+            consumer.wait_event(done)
+            images.record_stream(consumer)
+            targets.record_stream(consumer)
         return images, targets
 
     def _finish(self, packed, pictures):
@@ -662,10 +682,10 @@ class GpuBatches:
     thread until nvJPEG is done, tens of ms a batch, and torchvision lets one decode run at a
     time), the other crops and resizes the batch decoded before, AHEAD batches ahead of the step.
     In the main thread that time would be taken from launching the training step; torch ops
-    release the GIL, so the threads overlap. Order on the device is kept by streams: the decoder
-    makes the stream current in the thread that asked (the default stream, which the step runs
-    on) wait for its own (see GpuBatchDecoder), and the step is queued only after the batch came
-    out of the queue. An error in a thread (a corrupt file: UsageError) is raised again in the
+    release the GIL, so the threads overlap. Order on the device is kept by streams: as the
+    training loop takes a batch, its current stream (the step's) is made to wait for the event
+    after that batch's resampling (GpuBatchDecoder.hand_over, in the loop's thread), so the step
+    queued next reads finished pixels and no earlier step waits for them. An error in a thread (a corrupt file: UsageError) is raised again in the
     training loop. threads: 2 as above, 1 for one thread doing both halves, 0 for none (all in
     the caller's); default 2 on CUDA, 0 on the CPU (tools/decode_overlap.py compares them).
     """
@@ -685,21 +705,25 @@ class GpuBatches:
         packed_batches = iter(self.loader)
         if self.threads == 0:
             return (self.decoder(packed) for packed in packed_batches)
+        decoder = self.decoder
         if self.threads == 1:
-            return WorkAhead(packed_batches, self.decoder, self.AHEAD)
-        decoded = WorkAhead(packed_batches, self.decoder.decode_stage, 1)
-        return WorkAhead(decoded, lambda staged: self.decoder.resample(*staged), self.AHEAD)
+            return WorkAhead(packed_batches, lambda packed: decoder.resample_ahead(*decoder.decode_stage(packed)),
+                             self.AHEAD, decoder.hand_over)
+        decoded = WorkAhead(packed_batches, decoder.decode_stage, 1)
+        return WorkAhead(decoded, lambda staged: decoder.resample_ahead(*staged), self.AHEAD, decoder.hand_over)
 
 
 class WorkAhead:
-    """decode(item) for the loader's items, computed in a thread up to depth items ahead. The
-    thread starts at construction, so creating one starts the work (train.py starts the next
-    epoch's batches before validating). close() stops the thread and waits for it; closing a
-    later stage closes the stage it reads from."""
+    """decode(item) for the loader's items, computed in a thread up to depth items ahead, each
+    passed through hand_over (if given) in the thread that takes it. The thread starts at
+    construction, so creating one starts the work (train.py starts the next epoch's batches
+    before validating). close() stops the thread and waits for it; closing a later stage closes
+    the stage it reads from."""
 
     _DONE = object()
 
-    def __init__(self, loader, decode, depth):
+    def __init__(self, loader, decode, depth, hand_over=None):
+        self._hand_over = hand_over
         self._results = results = queue.Queue(maxsize=depth)
         self._stop = stop = threading.Event()
         done = self._DONE
@@ -735,7 +759,7 @@ class WorkAhead:
         if value is self._DONE:
             self.close()
             raise StopIteration
-        return value
+        return value if self._hand_over is None else self._hand_over(value)
 
     def close(self):
         self._stop.set()
