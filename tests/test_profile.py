@@ -214,15 +214,40 @@ def test_phase_profiler_finds_the_long_wait_and_the_collections_of_the_window():
     assert phases._time_gc not in gc.callbacks
     lines = format_waits_and_gc(times)
     assert re.match(r"data wait per step: median [\d.]+ ms, longest 2\d\d\.\d+ ms \(step 3\); [1-4] of 4 steps "
-                    r"waited over 1 ms", lines[0]), lines
+                    r"waited over 1 ms: steps? [\d ]*3", lines[0]), lines
     assert re.match(r"Python garbage collection in the window: \d+ collection\(s\) \(gen0 \d+, gen1 \d+, gen2 1\), "
                     r"[\d.]+ ms in all", lines[1]), lines
+    assert len(lines) == 2  # on the wall clock the host's wait is the data wait: not printed twice
     dying = PhaseProfiler(0, 4, nvtx=False, clock=WallClock())
     dying.begin_step(0)  # the window opens, then the run dies inside it (profile.py --benchmark: out of memory)
     assert dying._time_gc in gc.callbacks
     dying.stop_timing_gc()
     assert dying._time_gc not in gc.callbacks
 
+
+
+class GpuLikeClock(WallClock):
+    """The wall clock under another name: how the table tells a GPU clock from the host's."""
+    name = "a clock off the host"
+
+
+def test_host_time_taking_each_batch_is_listed_beside_the_waits_and_the_slow_steps_named():
+    """With a clock that is not the host's (CUDA events on a GPU), the host's own time taking each
+    batch gets a line of its own; the steps over 1 ms are named, and a long list is cut."""
+    phases = PhaseProfiler(0, 20, nvtx=False, clock=GpuLikeClock())
+    slow_steps = {2, 5, 6, 8, 9, 11, 12, 13, 14, 15, 16, 17, 18}
+    for step in range(20):
+        phases.begin_step(step)
+        with phases.range(DATA_RANGE):
+            time.sleep(0.02 if step in slow_steps else 0)
+        if phases.end_step(step):
+            break
+    lines = format_waits_and_gc(phases.times, listed=12)
+    assert len(phases.times.host_waits) == 20 and min(phases.times.host_waits[k] for k in slow_steps) >= 19
+    assert lines[0].startswith("data wait per step:") and lines[0].endswith(
+        "13 of 20 steps waited over 1 ms: steps 2 5 6 8 9 11 12 13 14 15 16 17 ..."), lines
+    assert lines[1].startswith("host taking the batch per step: median") and " 13 of 20 steps took over 1 ms" in lines[1]
+    assert lines[2].startswith("Python garbage collection in the window")
 
 @pytest.mark.gpu
 def test_nvtx_and_cuda_profiler_calls_on_the_gpu(cache_dir, tmp_path):

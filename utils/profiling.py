@@ -139,7 +139,8 @@ class PhaseTimes:
     steps: int
     first_step: int
     clock: str
-    data_waits: list = field(default_factory=list)  # ms each window step waited for its batch
+    data_waits: list = field(default_factory=list)  # ms each window step waited for its batch (clock)
+    host_waits: list = field(default_factory=list)  # wall ms the host spent taking each step's batch
     gc_pauses: list = field(default_factory=list)   # (generation, wall ms) of each collection in the window
 
     @property
@@ -165,7 +166,7 @@ class PhaseProfiler(NvtxWindow):
         self.trace_path = trace_path
         self.trace = None
         self.step_marks = []      # clock marks: each window step's start, then the window's end
-        self.records = []         # (name, depth, start mark, end mark) of the ranges in the window
+        self.records = []         # (name, depth, start mark, end mark, host ms) of the ranges in the window
         self.depth = 0
         self.step_function = None
         self.wall_start = self.wall_end = 0.0   # perf_counter at the synced ends of the window
@@ -196,10 +197,11 @@ class PhaseProfiler(NvtxWindow):
         self.depth += 1  # nested ranges (data wait) are split out of their parent, not added to it
         try:
             with super().range(name), torch.profiler.record_function(name):
-                start = self.clock.mark() if timed else None
+                start, host_start = (self.clock.mark(), time.perf_counter()) if timed else (None, None)
                 yield
                 if timed:
-                    self.records.append((name, depth, start, self.clock.mark()))
+                    self.records.append((name, depth, start, self.clock.mark(),
+                                         (time.perf_counter() - host_start) * 1e3))
         finally:
             self.depth -= 1
 
@@ -247,12 +249,15 @@ class PhaseProfiler(NvtxWindow):
         span = elapsed(self.step_marks[0], self.step_marks[-1])
         top, nested = {}, {}
         waits = {DATA_RANGE: [], WAIT_RANGE: []}  # one of each per step, in step order
-        for name, depth, start, end in self.records:
+        host_waits = []  # the whole data range's host time: taking a batch, whatever it includes
+        for name, depth, start, end, host_ms in self.records:
             totals = top if depth == 0 else nested
             ms = elapsed(start, end)
             totals[name] = totals.get(name, 0.0) + ms
             if name in waits:
                 waits[name].append(ms)
+            if name == DATA_RANGE:
+                host_waits.append(host_ms)
         phases = []
         for name, total in top.items():
             if name == DATA_RANGE:
@@ -263,7 +268,8 @@ class PhaseProfiler(NvtxWindow):
         step_ms = (self.wall_end - self.wall_start) * 1e3 / steps
         return PhaseTimes([(label, ms / steps) for label, ms in phases], step_ms, steps,
                           self.start_step, self.clock.name,
-                          data_waits=waits[WAIT_RANGE] or waits[DATA_RANGE], gc_pauses=list(self.gc_pauses))
+                          data_waits=waits[WAIT_RANGE] or waits[DATA_RANGE], host_waits=host_waits,
+                          gc_pauses=list(self.gc_pauses))
 
 
 def _split_data(data_ms, wait_ms):
@@ -346,18 +352,20 @@ def format_phase_table(times, images_per_step, peak_bytes, recipe_line, skipped=
     return "\n".join(lines)
 
 
-def format_waits_and_gc(times, long_ms=1.0):
-    """Two lines under the table: is the mean data wait a little every step or a few long stalls,
-    and did Python's garbage collector pause the process (it holds the GIL: the loop and the
-    input threads stop) inside the window."""
+def format_waits_and_gc(times, long_ms=1.0, listed=12):
+    """Lines under the table: is the mean data wait a little every step or a few long stalls (and
+    which steps: a stall every -j steps points at the loader workers), how long the host itself
+    was held taking the batch (on a GPU the loop runs steps ahead, so the GPU idles only when
+    the host is held longer than the work it queued, or when the batch's own GPU work is not
+    done), and did Python's garbage collector pause the process (it holds the GIL: the loop and
+    the input threads stop) inside the window."""
     lines = []
     waits = times.data_waits
     if waits:
-        longest = max(range(len(waits)), key=waits.__getitem__)
-        over = sum(ms > long_ms for ms in waits)
-        lines.append(f"data wait per step: median {statistics.median(waits):.3f} ms, longest "
-                     f"{waits[longest]:.3f} ms (step {times.first_step + longest}); {over} of "
-                     f"{len(waits)} steps waited over {long_ms:g} ms")
+        lines.append("data wait per step: " + _distribution(waits, times.first_step, long_ms, "waited", listed))
+    if times.host_waits and times.clock != WallClock.name:  # on the wall clock the line above is the same
+        lines.append("host taking the batch per step: "
+                     + _distribution(times.host_waits, times.first_step, long_ms, "took", listed))
     pauses = times.gc_pauses
     if pauses:
         counts = {generation: sum(g == generation for g, _ in pauses) for generation in (0, 1, 2)}
@@ -368,6 +376,19 @@ def format_waits_and_gc(times, long_ms=1.0):
     else:
         lines.append("Python garbage collection in the window: none")
     return lines
+
+
+def _distribution(values, first_step, long_ms, verb, listed):
+    """'median M ms, longest L ms (step S); K of N steps <verb> over T ms: steps ...' (the first
+    `listed` of them)."""
+    longest = max(range(len(values)), key=values.__getitem__)
+    slow = [first_step + k for k, ms in enumerate(values) if ms > long_ms]
+    text = (f"median {statistics.median(values):.3f} ms, longest {values[longest]:.3f} ms (step "
+            f"{first_step + longest}); {len(slow)} of {len(values)} steps {verb} over {long_ms:g} ms")
+    if slow:
+        text += ": step" + ("s " if len(slow) > 1 else " ") + " ".join(map(str, slow[:listed]))
+        text += " ..." if len(slow) > listed else ""
+    return text
 
 
 def format_gib(peak_bytes):
