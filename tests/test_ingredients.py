@@ -198,3 +198,30 @@ def test_ema_is_restored_on_resume(cache_dir, tmp_path):
     raw, ema = after["state_dict"]["fc.weight"], after["state_dict_ema"]["fc.weight"]
     assert not torch.allclose(ema, raw)
     assert torch.allclose(ema, 0.5 ** 4 * saved["fc.weight"] + (1 - 0.5 ** 4) * raw, atol=1e-5)
+
+
+def test_the_batch_after_a_print_step_is_taken_before_the_print_steps_sync(accelerator):
+    """At a print step the loop reads its figures from the device (a sync that empties the GPU's
+    queue); the next step's batch is taken before that read, so the step after it is queued the
+    moment the sync returns. No batch is taken beyond the epoch's last step."""
+    events = []
+
+    class Logged(Batches):
+        def __iter__(self):
+            for k, batch in enumerate(self.batches):
+                events.append(f"take {k}")
+                yield batch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    precision = Precision(resolve_recipe("O0", None, None, None)[0], model, "cpu")
+    built = build_optimizer("sgd", model, 0.1, momentum=0.0, weight_decay=0.0)
+    precision.skips_on_device = built.skips_on_device
+    args = SimpleNamespace(batch_size=4, accum_steps=1, lr=0.1, lr_schedule="step", lr_steps=[100], epochs=1,
+                           warmup_epochs=0, min_lr=0.0, steps_per_epoch=0, print_freq=2, seed=0)
+    data = SimpleNamespace(train=Logged(batches_of(5, 4)), num_classes=3)
+    result = train_one_epoch(model, data, built.optimizer, precision, accelerator, 0, args, nn.CrossEntropyLoss(),
+                             log=lambda line: events.append(re.match(r"Epoch: \[0\]\[(\d+)/5\]", line).group(0)))
+    assert result.count == 20
+    assert events == ["take 0", "take 1", "take 2", "Epoch: [0][2/5]", "take 3", "take 4", "Epoch: [0][4/5]",
+                      "Epoch: [0][5/5]"]

@@ -186,6 +186,38 @@ class RunAhead:
             self.events.popleft().synchronize()
 
 
+class TakeAhead:
+    """An epoch's batches, with take_ahead(): take the next batch now, before a host sync.
+
+    At a print step the loop reads its figures from the device, which waits for every step
+    queued so far: the GPU's queue runs empty. Had the next batch still to come from the input
+    pipeline after that (the gpu backend delivers batches just in time when decoding is the
+    slower side), the GPU would idle for it: on an H100 a 15-30 ms wait after most print steps,
+    0.6-0.9 ms a step on average at --print-freq 10. Taken before the sync, the batch is there
+    when the sync returns, and the next step is queued at once."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.taken = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.taken.pop() if self.taken else next(self.batches)
+
+    def take_ahead(self):
+        if not self.taken:
+            try:
+                self.taken.append(next(self.batches))
+            except StopIteration:  # none left: the next next() says so again
+                pass
+
+    def close(self):
+        self.taken.clear()
+        close_batches(self.batches)
+
+
 def close_batches(batches):
     """Stop what loads an iterator's batches (the gpu backend's threads); None is fine."""
     close = getattr(batches, "close", None)
@@ -227,7 +259,7 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
         earlier_seconds = time_avg_sum = carried["seconds"]
         time_avg_n = first_step
     next_step, diverged, lr = None, None, None
-    batches = iter(data.train) if batches is None else batches
+    batches = TakeAhead(iter(data.train) if batches is None else batches)
     run_ahead = RunAhead(accelerator.device)
     progress.begin((steps - first_step) * global_batch, f"Epoch {epoch}")  # a bar on a terminal
     step = first_step - 1
@@ -263,6 +295,8 @@ def train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args,
         last = step + 1 == steps
         stopping = world == 1 and stop.requested  # one process: a host bool, checked every step
         if (step + 1) % args.print_freq == 0 or last or stopping:
+            if not (last or stopping):
+                batches.take_ahead()  # before the sync below (TakeAhead)
             interval, total = meter.read(accelerator, stop.signum)
             now = time.perf_counter()
             step_time = (now - interval_start) / interval_steps
