@@ -64,6 +64,10 @@ def test_phase_table_adds_up_to_the_step(digits_profile):
     result, _ = digits_profile
     rows = phase_table(result.stdout)
     assert set(PHASES) <= set(rows), result.stdout
+    # each phase once: -p 1 makes every step a print step, which takes the next batch ahead of its
+    # sync (outside the data range); that early take must not become a phase row of its own
+    table = result.stdout[result.stdout.index("=> phases"):]
+    assert [len(re.findall(rf"^{label}\s", table, flags=re.M)) for label in PHASES] == [1] * len(PHASES), table
     assert all(rows[label] >= 0 for label in PHASES)
     assert rows["forward"] > 0 and rows["backward"] > 0 and rows["optimizer step"] > 0
     total = sum(rows[label] for label in PHASES)
@@ -225,6 +229,30 @@ def test_phase_profiler_finds_the_long_wait_and_the_collections_of_the_window():
     assert dying._time_gc not in gc.callbacks
 
 
+
+
+def test_a_batch_taken_ahead_of_a_print_steps_sync_is_no_phase_and_no_steps_wait():
+    """The loop takes the batch after a print step early, outside the data range (its wait range
+    is then not nested): the table keeps one 'data wait' row, and the per-step waits stay with
+    their steps: the step whose batch was taken ahead waited 0."""
+    phases = PhaseProfiler(0, 4, nvtx=False, clock=WallClock())
+    for step in range(4):
+        phases.begin_step(step)
+        with phases.range(DATA_RANGE):
+            if step != 2:  # step 2's batch was taken during step 1
+                with phases.range(WAIT_RANGE):
+                    time.sleep(0.03 if step == 3 else 0)
+        with phases.range("forward"):
+            pass
+        if step == 1:
+            with phases.range(WAIT_RANGE):  # the early take, as TimedLoader records it
+                time.sleep(0.1)
+        phases.end_step(step)
+    times = phases.times
+    assert [label for label, _ in times.phases] == ["data wait", "host-to-device", "forward", "other"]
+    assert len(times.data_waits) == 4 and times.data_waits[2] == 0.0 and times.data_waits[3] >= 29
+    assert max(times.data_waits[:2]) < 29  # the early take's 100 ms is in step 1's 'other'
+    assert dict(times.phases)["other"] * 4 >= 99
 
 class GpuLikeClock(WallClock):
     """The wall clock under another name: how the table tells a GPU clock from the host's."""

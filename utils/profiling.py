@@ -166,7 +166,7 @@ class PhaseProfiler(NvtxWindow):
         self.trace_path = trace_path
         self.trace = None
         self.step_marks = []      # clock marks: each window step's start, then the window's end
-        self.records = []         # (name, depth, start mark, end mark, host ms) of the ranges in the window
+        self.records = []         # (name, depth, start mark, end mark, host ms, step) of the window's ranges
         self.depth = 0
         self.step_function = None
         self.wall_start = self.wall_end = 0.0   # perf_counter at the synced ends of the window
@@ -201,7 +201,7 @@ class PhaseProfiler(NvtxWindow):
                 yield
                 if timed:
                     self.records.append((name, depth, start, self.clock.mark(),
-                                         (time.perf_counter() - host_start) * 1e3))
+                                         (time.perf_counter() - host_start) * 1e3, self.iteration))
         finally:
             self.depth -= 1
 
@@ -248,16 +248,20 @@ class PhaseProfiler(NvtxWindow):
         elapsed = self.clock.elapsed_ms
         span = elapsed(self.step_marks[0], self.step_marks[-1])
         top, nested = {}, {}
-        waits = {DATA_RANGE: [], WAIT_RANGE: []}  # one of each per step, in step order
-        host_waits = []  # the whole data range's host time: taking a batch, whatever it includes
-        for name, depth, start, end, host_ms in self.records:
+        waits = {DATA_RANGE: [0.0] * steps, WAIT_RANGE: [0.0] * steps}  # per window step
+        host_waits = [0.0] * steps  # the whole data range's host time: taking a batch, whatever it includes
+        for name, depth, start, end, host_ms, step in self.records:
+            if name == WAIT_RANGE and depth == 0:
+                # A batch taken ahead of a print step's sync (utils/engine.py TakeAhead), outside
+                # the data range: host time of that step's 'other', while the GPU runs queued steps.
+                continue
             totals = top if depth == 0 else nested
             ms = elapsed(start, end)
             totals[name] = totals.get(name, 0.0) + ms
             if name in waits:
-                waits[name].append(ms)
+                waits[name][step - self.start_step] += ms
             if name == DATA_RANGE:
-                host_waits.append(host_ms)
+                host_waits[step - self.start_step] += host_ms
         phases = []
         for name, total in top.items():
             if name == DATA_RANGE:
@@ -268,7 +272,9 @@ class PhaseProfiler(NvtxWindow):
         step_ms = (self.wall_end - self.wall_start) * 1e3 / steps
         return PhaseTimes([(label, ms / steps) for label, ms in phases], step_ms, steps,
                           self.start_step, self.clock.name,
-                          data_waits=waits[WAIT_RANGE] or waits[DATA_RANGE], host_waits=host_waits,
+                          data_waits=(waits[WAIT_RANGE] if WAIT_RANGE in nested
+                                      else waits[DATA_RANGE] if DATA_RANGE in top else []),
+                          host_waits=host_waits if DATA_RANGE in top else [],
                           gc_pauses=list(self.gc_pauses))
 
 
