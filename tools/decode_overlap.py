@@ -110,20 +110,21 @@ def rate(device, batch_size, steps, warmup, run_one):
 
 
 class OnStream:
-    """The decoder with `stream` current in the thread that resamples (None: that thread's
-    default), so the decoded batch is ordered before the work queued on `stream`; a decoder
-    GpuBatches takes."""
+    """The decoder as GpuBatches takes it, its stages labelled for --trace, and the batch handed
+    over with `stream` current (None: the taking thread's default), so it is ordered before the
+    work queued on `stream`."""
 
     def __init__(self, decoder, stream):
         self.decoder, self.stream, self.cuda = decoder, stream, decoder.cuda
         self.decode_stage = labelled("decode_stage", decoder.decode_stage)
+        self.resample_ahead = labelled("resample", decoder.resample_ahead)
 
-    def resample(self, *staged):
-        with torch.cuda.stream(self.stream), torch.profiler.record_function("resample"):  # None: changes nothing
-            return self.decoder.resample(*staged)
+    def hand_over(self, staged):
+        with torch.cuda.stream(self.stream):  # None: changes nothing
+            return self.decoder.hand_over(staged)
 
     def __call__(self, packed):
-        return self.resample(*self.decode_stage(packed))
+        return self.hand_over(self.resample_ahead(*self.decode_stage(packed)))
 
 
 def labelled(name, function):
