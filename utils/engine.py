@@ -191,10 +191,11 @@ class TakeAhead:
 
     At a print step the loop reads its figures from the device, which waits for every step
     queued so far: the GPU's queue runs empty. Had the next batch still to come from the input
-    pipeline after that (the gpu backend delivers batches just in time when decoding is the
-    slower side), the GPU would idle for it: on an H100 a 15-30 ms wait after most print steps,
-    0.6-0.9 ms a step on average at --print-freq 10. Taken before the sync, the batch is there
-    when the sync returns, and the next step is queued at once."""
+    pipeline after that (the gpu backend delivers batches just in time when decoding sets the
+    pace), the GPU would idle for it: on an H100 (ResNet-50, --print-freq 10) most steps after a
+    print step waited 15-25 ms, and taking the batch first cut the mean data wait from 2.1 to
+    0.4 ms a step (docs/speed.md). Taken before the sync, the batch is there when the sync
+    returns, and the next step is queued at once."""
 
     def __init__(self, batches):
         self.batches = batches

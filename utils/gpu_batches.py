@@ -685,9 +685,10 @@ class GpuBatches:
     release the GIL, so the threads overlap. Order on the device is kept by streams: as the
     training loop takes a batch, its current stream (the step's) is made to wait for the event
     after that batch's resampling (GpuBatchDecoder.hand_over, in the loop's thread), so the step
-    queued next reads finished pixels and no earlier step waits for them. An error in a thread (a corrupt file: UsageError) is raised again in the
-    training loop. threads: 2 as above, 1 for one thread doing both halves, 0 for none (all in
-    the caller's); default 2 on CUDA, 0 on the CPU (tools/decode_overlap.py compares them).
+    queued next reads finished pixels and no earlier step waits for them. An error in a thread
+    (a corrupt file: UsageError) is raised again in the training loop. threads: 2 as above, 1 for
+    one thread doing both halves, 0 for none (all in the caller's); default 2 on CUDA, 0 on the
+    CPU (tools/decode_overlap.py compares them).
     """
 
     AHEAD = 2
