@@ -230,8 +230,6 @@ def test_phase_profiler_finds_the_long_wait_and_the_collections_of_the_window():
     assert dying._time_gc not in gc.callbacks
 
 
-
-
 def test_a_batch_taken_ahead_of_a_print_steps_sync_is_no_phase_and_no_steps_wait():
     """The loop takes the batch after a print step early, outside the data range (its wait range
     is then not nested): the table keeps one 'data wait' row, and the per-step waits stay with
@@ -254,6 +252,7 @@ def test_a_batch_taken_ahead_of_a_print_steps_sync_is_no_phase_and_no_steps_wait
     assert len(times.data_waits) == 4 and times.data_waits[2] == 0.0 and times.data_waits[3] >= 29
     assert max(times.data_waits[:2]) < 29  # the early take's 100 ms is in step 1's 'other'
     assert dict(times.phases)["other"] * 4 >= 99
+
 
 class GpuLikeClock(WallClock):
     """The wall clock under another name: how the table tells a GPU clock from the host's."""
