@@ -4,6 +4,7 @@ import csv
 import os
 import re
 import shutil
+import socket
 
 import torch
 
@@ -90,6 +91,42 @@ def test_medians_group_runs_by_configuration_and_hold_them_to_the_plain_median()
     assert got["cpu"] == [35.0, 30.0, 40.0, 2, 0.35]  # a failed round is left out of the median
     assert got["timm"] == [20.0, 20.0, 20.0, 1, None]  # no plain reference without compile here
     assert [key[1] for key, *_ in medians(rows)] == ["none", "gpu", "cpu", "timm"]
+
+
+def test_append_adds_rounds_to_the_csv_and_refuses_other_flags(tmp_path):
+    """--append: a second invocation numbers its round on from the CSV's and gives medians over
+    both; a file written with other flags, or not by this tool, is refused before anything runs,
+    and left as it was."""
+    out = tmp_path / "bench.csv"
+    flags = ["--backends", "synthetic", "--compile", "False", "--workers", "0", "-a", "resnet18", "-b", "16",
+             "--opt-level", "O0", "--steps-per-epoch", "2", "--epochs", "1", "--train-args", "--image-size 32 -p 1",
+             "--out", out, "--runs-dir", tmp_path, "--append"]
+    for _ in range(2):
+        result = run_script(TOOL, tmp_path, *flags)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["backend"], row["round"]) for row in rows] == [("none", "1"), ("synthetic", "1"),
+                                                                 ("none", "2"), ("synthetic", "2")]
+    assert {row["host"] for row in rows} == {socket.gethostname()}
+    assert {row["setup"] for row in rows} == {f"{tmp_path} -a resnet18 -b 16 --opt-level O0 --steps-per-epoch 2 "
+                                              "--epochs 1 --train-args '--image-size 32 -p 1'"}
+    speeds = sorted(float(row["img_per_s"]) for row in rows[1::2])
+    assert f"train.py synthetic compile False: {sum(speeds) / 2:.1f} ({speeds[0]:.1f}-{speeds[1]:.1f}, " \
+           "2 of 2 rounds)" in result.stdout
+    assert "hosts" not in result.stdout
+
+    written = out.read_bytes()
+    other_steps = [("4" if flag == "2" and flags[k - 1] == "--steps-per-epoch" else flag)
+                   for k, flag in enumerate(flags)]
+    result = run_script(TOOL, tmp_path, *other_steps)
+    assert result.returncode == 2 and "--steps-per-epoch 2" in result.stderr and "--steps-per-epoch 4" in result.stderr
+    result = run_script(TOOL, tmp_path, *flags, "--compile", "True")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "differing: " in result.stderr and "train.py synthetic -j 0 compile True" in result.stderr
+    assert out.read_bytes() == written
+    out.write_text("round,img_per_s\n1,10\n")
+    result = run_script(TOOL, tmp_path, *flags)
+    assert result.returncode == 2 and "does not have this tool's columns" in result.stderr
 
 
 def test_no_rounds_is_a_usage_error(tmp_path):

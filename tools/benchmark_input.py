@@ -32,11 +32,17 @@ project (say the code before a change: git archive REV | tar -x -C DIR), right a
 run of it in every round; its rows are named "train.py (DIR's name)". An A/B of two versions of
 the code on one machine start, where two invocations on two starts would differ by more than the
 change.
+--append adds this invocation's rounds to the rows already in --out (rounds numbered on, medians
+over all of them), so that one benchmark can be split over several shorter calls; it refuses a file
+written with other flags. Every row names the host it ran on and the flags its runs shared (setup),
+and the tool says when the rows come from more than one host.
 """
 import argparse
+import csv
 import os
 import re
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,7 +93,7 @@ print(f"plain img/s {steps * batch / (time.perf_counter() - start):.1f}")
 """
 
 COLUMNS = ("name", "backend", "decoder", "workers", "compile", "opt_level", "img_per_s", "ratio_to_plain",
-           "gpu_mem_gib", "seconds", "note", "epochs", "second_half_img_per_s", "round")
+           "gpu_mem_gib", "seconds", "note", "epochs", "second_half_img_per_s", "round", "host", "setup")
 
 
 class PeakGpuMemory:
@@ -199,7 +205,8 @@ def medians(rows):
     median's ratio to the median of the plain reference with the same compile value."""
     groups = {}
     for row in rows:
-        key = (row["name"], row["backend"], row["decoder"], row["workers"], row["compile"])
+        # as strings: rows read back from the CSV (--append) beside this invocation's
+        key = tuple(str(row[field]) for field in ("name", "backend", "decoder", "workers", "compile"))
         groups.setdefault(key, []).extend([float(row["img_per_s"])] if row["img_per_s"] not in ("", None) else [])
     plain = {key[4]: statistics.median(speeds) for key, speeds in groups.items()
              if key[0] == PLAIN_NAME and speeds}
@@ -255,6 +262,47 @@ def planned_runs(args, cuda):
     return runs
 
 
+def configuration(row):
+    """What makes two rows runs of one configuration (each round has one run of it)."""
+    return tuple(str(row[key]) for key in ("name", "backend", "workers", "compile", "setup"))
+
+
+def setup(args):
+    """The flags every run of an invocation shares, as the CSV's setup column records them."""
+    return shlex.join([args.data, "-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level,
+                       "--steps-per-epoch", str(args.steps_per_epoch), "--epochs", str(args.epochs),
+                       *(["--train-args", args.train_args] if args.train_args else [])])
+
+
+def earlier_rows(path, runs, setup_):
+    """The rows an earlier invocation wrote to `path` (--append), or [] if there is no such file.
+    A usage error (ValueError with the message) when they are not the runs this invocation plans:
+    medians over both would mix configurations."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as file:
+        reader = csv.DictReader(file)
+        rows = list(reader)
+        if tuple(reader.fieldnames or ()) != COLUMNS:
+            raise ValueError(f"--append: {path} does not have this tool's columns (an older version's, or "
+                             "another file); give a new --out")
+    if not rows:
+        return []
+    setups = sorted({row["setup"] for row in rows})
+    if setups != [setup_]:
+        raise ValueError(f"--append: {path} was written with {' / '.join(setups)}; these flags give {setup_}. "
+                         "Give the flags of the invocation that wrote it, or a new --out")
+    planned = {configuration(dict(name=run.name, backend=run.backend, workers=run.workers, compile=run.compile,
+                                  setup=setup_)) for run in runs}
+    found = {configuration(row) for row in rows}
+    if found != planned:
+        differ = ", ".join(f"{name} {backend} -j {workers} compile {compile_}"
+                           for name, backend, workers, compile_, _ in sorted(found ^ planned)[:4])
+        raise ValueError(f"--append: {path} holds other runs than these flags plan (differing: {differ}). "
+                         "Give the flags of the invocation that wrote it, or a new --out")
+    return rows
+
+
 def cuda_available():
     import torch
     return torch.cuda.is_available()
@@ -287,6 +335,9 @@ def main():
     parser.add_argument("--other-code", nargs="+", default=[], metavar="DIR",
                         help="other copies of this project whose train.py runs each configuration too, "
                         "in the same rounds (an A/B of two versions on one machine start)")
+    parser.add_argument("--append", action="store_true",
+                        help="add this invocation's rounds to the rows already in --out (same flags), "
+                        "medians over all of them: one benchmark split over several calls")
     args = parser.parse_args()
     # The runs start in the project folder (train.py's cwd): paths typed relative to the caller's
     # folder are made absolute first.
@@ -307,17 +358,22 @@ def main():
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: at least one round")
 
-    rows = []
+    runs = planned_runs(args, cuda_available())
+    try:
+        rows = earlier_rows(args.out, runs, setup(args)) if args.append else []
+    except ValueError as err:
+        parser.error(str(err))
+    first_round = max((int(row["round"]) for row in rows), default=0) + 1
+    earlier = len(rows)  # rows of an earlier invocation: their failures were reported by it
 
     def record(row, output):
-        rows.append(row)
-        print(" | ".join(str(row[key]) for key in COLUMNS), flush=True)
+        rows.append(dict(row, host=socket.gethostname(), setup=setup(args)))
+        print(" | ".join(str(rows[-1][key]) for key in COLUMNS if key != "setup"), flush=True)
         if row["img_per_s"] in ("", None) and output:
             print(output[-2000:], flush=True)
         atomic_write_csv(args.out, rows, COLUMNS, lineterminator="\n")
 
-    runs = planned_runs(args, cuda_available())
-    for round_ in range(1, args.repeat + 1):
+    for round_ in range(first_round, first_round + args.repeat):
         plain = {}  # this round's reference figure per compile value
         for planned in runs:
             output, note, seconds, memory = ("", planned.note, 0.0, "") if planned.command is None else \
@@ -341,15 +397,20 @@ def main():
                                  epoch_average(TIMM_SPEED, output, args.epochs - 1), plain.get(planned.compile),
                                  seconds, memory, note, epochs=args.epochs, **fields)
             record(row, output)
-    if args.repeat > 1:
-        print(f"=> median img/s of {args.repeat} rounds (lowest-highest), x the plain reference's median:")
+    rounds = first_round + args.repeat - 1
+    if rounds > 1:
+        print(f"=> median img/s of {rounds} rounds (lowest-highest), x the plain reference's median:")
         for (name, backend, decoder, workers, compile_), middle, low, high, count, ratio in medians(rows):
-            label = " ".join(str(part) for part in (name, backend, decoder, f"-j {workers}" if workers else "",
+            label = " ".join(str(part) for part in (name, backend, decoder, f"-j {workers}" if workers != "0" else "",
                                                     f"compile {compile_}") if part)
-            print(f"   {label}: {middle:.1f} ({low:.1f}-{high:.1f}, {count} of {args.repeat} rounds)"
+            print(f"   {label}: {middle:.1f} ({low:.1f}-{high:.1f}, {count} of {rounds} rounds)"
                   + (f", {ratio}x plain" if ratio is not None else ""))
+    hosts = sorted({row["host"] for row in rows})
+    if len(hosts) > 1:
+        print(f"=> the rows come from {len(hosts)} hosts ({', '.join(hosts)}): figures from different "
+              "machines are not comparable, and their medians mix them")
     print(f"=> written to {args.out}")
-    failed = [row for row in rows if row["note"] and not row["note"].startswith("not run")]
+    failed = [row for row in rows[earlier:] if row["note"] and not row["note"].startswith("not run")]
     if failed:
         print(f"=> {len(failed)} run(s) failed (their output is printed above)", file=sys.stderr)
         return 1
