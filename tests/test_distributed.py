@@ -290,6 +290,39 @@ def test_2gpu_config_starts_two_processes(tmp_path):
         [("0", "2", "--opt-level O1"), ("1", "2", "--opt-level O1")]
 
 
+def test_a_gpu_config_where_cuda_is_missing_is_refused_before_anything_is_written(tmp_path):
+    """2gpu.yaml where CUDA is missing or broken (hidden here): torchrun starts two processes, and
+    Accelerate, finding no GPU, would leave each to train alone on the CPU, the whole data, into
+    the same --output-dir. train.py refuses: one message saying how to get what was meant."""
+    env = subprocess_env({"CUDA_VISIBLE_DEVICES": ""})
+    env.pop("ACCELERATE_USE_CPU", None)
+    out = tmp_path / "out"
+    result = subprocess.run([os.path.join(BIN, "accelerate"), "launch", "--config_file",
+                             os.path.join(CONFIGS, "2gpu.yaml"), os.path.join(ROOT, "train.py"), *TINY,
+                             "--steps-per-epoch", "2", "--epochs", "1", "--output-dir", str(out)],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=TIMEOUT)
+    assert result.returncode != 0, result.stdout[-2000:]
+    message = "train.py: error: started as 2 processes (WORLD_SIZE=2), but Accelerate joined none of them"
+    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert "ACCELERATE_USE_CPU=1 torchrun" in result.stderr and "accelerate_configs/cpu.yaml" in result.stderr
+    assert "Epoch: [" not in result.stdout
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_processes_accelerate_joined_pass_and_others_name_the_cause(monkeypatch):
+    from utils.errors import UsageError
+    from utils.setup import check_processes_joined
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_processes_joined(4)  # torchrun's 4 processes in one run: nothing to say
+    monkeypatch.delenv("WORLD_SIZE")
+    check_processes_joined(1)  # python train.py
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    import torch
+    cause = "LOCAL_RANK is not set" if torch.cuda.is_available() else "no CUDA device is usable here"
+    with pytest.raises(UsageError, match=f"started as 4 processes .*joined none of them.*{cause}"):
+        check_processes_joined(1)
+
+
 def free_port():
     import socket
     with socket.socket() as sock:

@@ -445,11 +445,33 @@ def make_accelerator(args, **accelerator_kwargs):
     # dynamo_backend "no": we compile ourselves, once (utils/compiled.py), whatever the config says.
     accelerator = Accelerator(mixed_precision="no", dynamo_backend="no", kwargs_handlers=[ddp],
                               **accelerator_kwargs)
+    check_processes_joined(accelerator.num_processes)
     note = cpu_fp16_note(recipe, accelerator.device.type)
     if note:
         notes.append(note)
     resolve_device_defaults(args, accelerator.device.type)
     return accelerator, recipe, notes
+
+
+def check_processes_joined(joined):
+    """A usage error when the launcher started more processes (WORLD_SIZE) than Accelerate joined
+    into one run. Accelerate joins torchrun's processes only on CUDA (or with ACCELERATE_USE_CPU=1);
+    elsewhere each one would train alone, the whole data set, into the same --output-dir. That is
+    what a GPU config such as accelerate_configs/2gpu.yaml does on a machine where CUDA is missing
+    or broken."""
+    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    if launched <= joined:
+        return
+    if torch.cuda.is_available():
+        why = "LOCAL_RANK is not set; start the processes with torchrun or accelerate launch"
+    else:
+        why = ("no CUDA device is usable here (torch.cuda.is_available() is False): on a GPU machine, "
+               "check nvidia-smi and that torch is a CUDA build; for DDP on CPUs, set ACCELERATE_USE_CPU=1 "
+               "(ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N ...); for one CPU process, use "
+               "accelerate_configs/cpu.yaml")
+    raise UsageError(f"started as {launched} processes (WORLD_SIZE={launched}), but Accelerate joined "
+                     f"{'none of them' if joined == 1 else joined} into one run, so each would train alone "
+                     f"into the same output: {why}")
 
 
 def resolve_device_defaults(args, device_type):
