@@ -405,7 +405,7 @@ def main(argv=None):
     log(f"=> {args.data or 'digits'} val: {data.val_size} images | {args.num_classes} classes | "
         f"{accelerator.num_processes} process(es) on {accelerator.device.type} | batch {args.batch_size} "
         f"per process | {args.image_size} px")
-    log(recipe.describe())
+    log(recipe.describe(evaluation=True))
     log(args.input_line)
 
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)

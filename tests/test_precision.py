@@ -106,6 +106,13 @@ def test_every_level_describes_itself():
         "O3": "precision: O3 fp16 | weights half, BN half, no master (optimizer on half weights) "
               "| loss scale static 1",
     }
+    # eval.py's: what the forward pass uses only (a loss scale or master weights would be untrue there)
+    lines = {level: resolve_recipe(level, None, None, "bf16", None)[0].describe(evaluation=True)
+             for level in OPT_LEVELS}
+    assert lines == {"O0": "precision: O0 fp32 | weights fp32, BN fp32",
+                     "O1": "precision: O1 bf16 | autocast bf16, weights fp32, BN fp32",
+                     "O2": "precision: O2 bf16 | weights half, BN fp32",
+                     "O3": "precision: O3 bf16 | weights half, BN half"}
 
 
 def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):

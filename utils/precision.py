@@ -87,16 +87,19 @@ class Recipe:
     def master_weights(self):
         return self.level.master_weights
 
-    def describe(self):
-        """One line that says what was resolved, e.g. for the startup log."""
+    def describe(self, evaluation=False):
+        """One line that says what was resolved, e.g. for the startup log. For evaluation (eval.py)
+        only what the forward pass uses: no optimizer, master weights or loss scale."""
         half = self.dtype_name if self.level.uses_half else "fp32"
         if not self.half_weights:
             autocast = f"autocast {half}, " if self.autocast else ""
-            parts = f"{autocast}weights fp32, BN fp32, optimizer fp32"
+            parts = f"{autocast}weights fp32, BN fp32" + ("" if evaluation else ", optimizer fp32")
         else:
             bn = "fp32" if self.keep_bn_fp32 else "half"
             master = "master fp32" if self.master_weights else "no master (optimizer on half weights)"
-            parts = f"weights half, BN {bn}, {master}"
+            parts = f"weights half, BN {bn}" + ("" if evaluation else f", {master}")
+        if evaluation:
+            return f"precision: {self.opt_level} {half} | {parts}"
         if self.loss_scale is None:
             scale = "none"
         elif self.loss_scale == "dynamic":
