@@ -261,6 +261,17 @@ def test_empty_class_folder_is_a_usage_error(usage_error, tmp_path):
     usage_error([root, "--output-dir", tmp_path / "out", *TINY], "no images in the class folder(s) zebra")
 
 
+def test_a_split_folder_given_as_data_names_the_folder_meant(usage_error, tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=4)
+    for split in ("train", "val/"):  # with a trailing slash too, as a shell completes it
+        usage_error([os.path.join(root, split), "--output-dir", tmp_path / "out", *TINY],
+                    "has no train/ folder", f"(give {str(root)!r}, the folder above it)")
+    lone = tmp_path / "lone" / "train"
+    shutil.copytree(os.path.join(root, "train"), lone)  # no val/ beside it: nothing to suggest
+    err = usage_error([lone, "--output-dir", tmp_path / "out", *TINY], "has no train/ folder")
+    assert "the folder above it" not in err
+
+
 def test_a_class_folder_linked_to_another_is_named_as_a_link(usage_error, tmp_path):
     """A class folder that is a link to another class's folder holds no images of its own: the
     message says which folder it is (it read as if the folder were empty)."""

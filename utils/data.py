@@ -34,7 +34,11 @@ def check_image_folder(path, splits=("train", "val")):
     for split in splits:
         split_dir = os.path.join(path, split)
         if not os.path.isdir(split_dir):
-            raise UsageError(f"{path!r} has no {split}/ folder; the layout is DATA/train/<class>/*.jpg "
+            parent = os.path.dirname(os.path.abspath(path))
+            # DATA/train given for DATA: the commonest slip, so name the folder meant
+            above = (f" (give {parent!r}, the folder above it)" if os.path.basename(os.path.normpath(path))
+                     in ("train", "val") and all(os.path.isdir(os.path.join(parent, s)) for s in splits) else "")
+            raise UsageError(f"{path!r} has no {split}/ folder{above}; the layout is DATA/train/<class>/*.jpg "
                              "and DATA/val/<class>/*.jpg")
 
 
