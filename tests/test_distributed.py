@@ -321,6 +321,11 @@ def test_processes_accelerate_joined_pass_and_others_name_the_cause(monkeypatch)
     cause = "LOCAL_RANK is not set" if torch.cuda.is_available() else "no CUDA device is usable here"
     with pytest.raises(UsageError, match=f"started as 4 processes .*joined none of them.*{cause}"):
         check_processes_joined(1)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # mpirun: Accelerate joins it on CPUs only
+    with pytest.raises(UsageError, match=r"started as 2 processes \(OMPI_COMM_WORLD_SIZE=2\)"):
+        check_processes_joined(1)
+    check_processes_joined(2)
 
 
 def free_port():

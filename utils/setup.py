@@ -454,12 +454,15 @@ def make_accelerator(args, **accelerator_kwargs):
 
 
 def check_processes_joined(joined):
-    """A usage error when the launcher started more processes (WORLD_SIZE) than Accelerate joined
-    into one run. Accelerate joins torchrun's processes only on CUDA (or with ACCELERATE_USE_CPU=1);
-    elsewhere each one would train alone, the whole data set, into the same --output-dir. That is
-    what a GPU config such as accelerate_configs/2gpu.yaml does on a machine where CUDA is missing
-    or broken."""
-    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    """A usage error when the launcher started more processes (WORLD_SIZE, or mpirun's size) than
+    Accelerate joined into one run. Accelerate joins torchrun's processes only on CUDA (or with
+    ACCELERATE_USE_CPU=1), and mpirun's only on CPUs; elsewhere each process would train alone,
+    the whole data set, into the same --output-dir. That is what a GPU config such as
+    accelerate_configs/2gpu.yaml does on a machine where CUDA is missing or broken."""
+    # torchrun's variable, then MPI's (mpirun), which Accelerate also reads
+    name = next((name for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+                 if os.environ.get(name)), "WORLD_SIZE")
+    launched = int(os.environ.get(name) or 1)
     if launched <= joined:
         return
     if torch.cuda.is_available():
@@ -469,7 +472,7 @@ def check_processes_joined(joined):
                "check nvidia-smi and that torch is a CUDA build; for DDP on CPUs, set ACCELERATE_USE_CPU=1 "
                "(ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N ...); for one CPU process, use "
                "accelerate_configs/cpu.yaml")
-    raise UsageError(f"started as {launched} processes (WORLD_SIZE={launched}), but Accelerate joined "
+    raise UsageError(f"started as {launched} processes ({name}={launched}), but Accelerate joined "
                      f"{'none of them' if joined == 1 else joined} into one run, so each would train alone "
                      f"into the same output: {why}")
 
