@@ -328,6 +328,45 @@ def test_processes_accelerate_joined_pass_and_others_name_the_cause(monkeypatch)
     check_processes_joined(2)
 
 
+def test_more_processes_on_a_node_than_gpus_are_refused(monkeypatch):
+    """8gpu.yaml on a 2-GPU machine: Accelerate would put 4 processes on each GPU, which NCCL
+    refuses only later and obscurely. (The GPUs are pretended here; the real launch is below.)"""
+    from utils.errors import UsageError
+    from utils.setup import check_gpus_per_node
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(UsageError, match=r"started 8 processes on this node \(LOCAL_WORLD_SIZE=8\), but it has "
+                                         r"2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1\).*--num_processes 2"):
+        check_gpus_per_node()
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    check_gpus_per_node()  # CPU processes: no GPU needed
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_gpus_per_node()  # one process per GPU
+
+
+@pytest.mark.gpu
+def test_more_processes_than_gpus_stop_at_once_with_one_message(tmp_path):
+    """A real torchrun with one process more than this machine's GPUs."""
+    import torch
+    env = subprocess_env()
+    env.pop("ACCELERATE_USE_CPU", None)
+    processes = torch.cuda.device_count() + 1
+    out = tmp_path / "out"
+    result = subprocess.run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", str(processes),
+                             os.path.join(ROOT, "train.py"), *TINY, "--steps-per-epoch", "2", "--epochs", "1",
+                             "--output-dir", str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=TIMEOUT)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert result.stderr.count(f"train.py: error: started {processes} processes on this node") == 1, \
+        result.stderr[-3000:]
+    assert not out.exists() or not any(out.iterdir())
+
+
 def free_port():
     import socket
     with socket.socket() as sock:

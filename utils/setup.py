@@ -433,6 +433,7 @@ def make_accelerator(args, **accelerator_kwargs):
     from accelerate.utils import DistributedDataParallelKwargs
 
     widen_cuda_work_queues()
+    check_gpus_per_node()
     mixed_precision, source = requested_mixed_precision(args.mixed_precision)
     recipe, notes = resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale,
                                    mixed_precision, source)
@@ -451,6 +452,24 @@ def make_accelerator(args, **accelerator_kwargs):
         notes.append(note)
     resolve_device_defaults(args, accelerator.device.type)
     return accelerator, recipe, notes
+
+
+def check_gpus_per_node():
+    """A usage error when the launcher started more processes on this node than it has GPUs (an
+    8gpu.yaml on a 2-GPU machine): Accelerate would put several processes on one GPU (local rank
+    modulo the GPU count), which NCCL refuses with a less helpful error once they first talk.
+    Every process of the node meets it alike, before any work."""
+    from accelerate.utils import parse_flag_from_env
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if per_node < 2 or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if per_node > gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"started {per_node} processes on this node (LOCAL_WORLD_SIZE={per_node}), but it has "
+                         f"{gpus} GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                         + f": one process per GPU; launch {gpus} a node (accelerate launch --num_processes "
+                         f"{gpus} on one machine, {gpus} x machines on several; torchrun --nproc_per_node {gpus})")
 
 
 def check_processes_joined(joined):
