@@ -8,8 +8,8 @@ make_data() {
     [ -d /tmp/fake2 ] || { python3 tools/make_fake_imagenet.py /tmp/fake2 --classes 80 --train-per-class 256 \
         --val-per-class 2 --jobs ${1:-16} > /dev/null 2>&1; echo "fake2 written rc=$? t=$SECONDS"; }
 }
-benchmark_round() {  # one round, capped so that the call ends by 575 s; the CSV keeps what finished
-    timeout -k 5 $((575 - SECONDS)) python3 tools/benchmark_input.py /tmp/fake2 --workers 8 \
+benchmark_round() {  # one round, capped so that the call ends by CAP (575) s; the CSV keeps what finished
+    timeout -k 5 $((${CAP:-575} - SECONDS)) python3 tools/benchmark_input.py /tmp/fake2 --workers 8 \
         --backends synthetic gpu --decoders cuda --compile reduce-overhead --opt-level O1 \
         --steps-per-epoch 80 --epochs 3 --timeout 140 --other-code before depth3 --append \
         --out /tmp/bench.csv --runs-dir /tmp > $OUT/bench_$1.log 2>&1
