@@ -1,9 +1,9 @@
-# Sourced by a.sh, b.sh and c.sh on the device: wheels, environment, the data folder if this is a
-# fresh machine, and the benchmark (one round per call, added to one CSV with --append).
+# Sourced by a.sh and b.sh on the device: wheels, environment, the data folder if this is a fresh
+# machine, and the benchmark (rounds added to one CSV with --append).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site OMP_NUM_THREADS=4
 NOISE="WARNING|nvjpeg2k|nvtiff|nvTIFF|JPEG2000|^Note|\[ERROR\]"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; hostname
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 make_data() {
     [ -d /tmp/fake2 ] || { python3 tools/make_fake_imagenet.py /tmp/fake2 --classes 80 --train-per-class 256 \
         --val-per-class 2 --jobs ${1:-16} > /dev/null 2>&1; echo "fake2 written rc=$? t=$SECONDS"; }
@@ -11,7 +11,7 @@ make_data() {
 benchmark_round() {  # one round, capped so that the call ends by CAP (575) s; the CSV keeps what finished
     timeout -k 5 $((${CAP:-575} - SECONDS)) python3 tools/benchmark_input.py /tmp/fake2 --workers 8 \
         --backends synthetic gpu --decoders cuda --compile reduce-overhead --opt-level O1 \
-        --steps-per-epoch 80 --epochs 3 --timeout 140 --other-code before depth3 --append \
+        --steps-per-epoch 80 --epochs 3 --timeout 140 --other-code before --append \
         --out /tmp/bench.csv --runs-dir /tmp > $OUT/bench_$1.log 2>&1
     echo "bench $1 rc=$? t=$SECONDS"
     cp /tmp/bench.csv $OUT/bench.csv
