@@ -359,15 +359,16 @@ def main():
         parser.error(f"--repeat {args.repeat}: at least one round")
 
     runs = planned_runs(args, cuda_available())
+    shared_flags = setup(args)
     try:
-        rows = earlier_rows(args.out, runs, setup(args)) if args.append else []
+        rows = earlier_rows(args.out, runs, shared_flags) if args.append else []
     except ValueError as err:
         parser.error(str(err))
     first_round = max((int(row["round"]) for row in rows), default=0) + 1
     earlier = len(rows)  # rows of an earlier invocation: their failures were reported by it
 
     def record(row, output):
-        rows.append(dict(row, host=socket.gethostname(), setup=setup(args)))
+        rows.append(dict(row, host=socket.gethostname(), setup=shared_flags))
         print(" | ".join(str(rows[-1][key]) for key in COLUMNS if key != "setup"), flush=True)
         if row["img_per_s"] in ("", None) and output:
             print(output[-2000:], flush=True)
