@@ -7,8 +7,8 @@
     accelerate launch --config_file accelerate_configs/2gpu.yaml eval.py --resume model_best.pth.tar
 
 Every flag left out comes from the checkpoint's own training command line (its stored args):
-DATA, image size, crop, batch size, opt level, channels_last; the architecture and the number of
-classes always do (-a / --num-classes given on the command line must match them). Flags that
+DATA, image size, crop, batch size, opt level (channels_last follows this device instead); the
+architecture and the number of classes always do (-a / --num-classes given on the command line must match them). Flags that
 only make sense for training (--lr, --epochs, ...) are refused rather than silently ignored.
 --pretrained instead scores the weights torchvision or timm publish for -a (never downloaded: from
 the local cache, as train.py --pretrained), with the model's own input size, crop, interpolation
@@ -47,8 +47,10 @@ from utils.setup import (RUN_FILES, checkpoint_half_dtype, fp32_over_inherited_l
                          keep_bn_for_opt_level, make_accelerator, parse_args, warn)
 
 # Training settings eval.py inherits from the checkpoint when the command line leaves them out.
+# Not --channels-last: a memory layout for the device at hand (on by default on CUDA, off elsewhere),
+# not part of what was trained; a checkpoint from a GPU run is evaluated on a CPU without it.
 FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "interpolation", "mean", "std",
-                   "opt_level", "keep_batchnorm_fp32", "channels_last", "batch_size",
+                   "opt_level", "keep_batchnorm_fp32", "batch_size",
                    "val_split", "image_column", "label_column")
 # How a datasets source is read: inherited only together with the checkpoint's DATA.
 DATA_READING = ("val_split", "image_column", "label_column")
@@ -56,10 +58,11 @@ DATA_READING = ("val_split", "image_column", "label_column")
 NOT_EVALUATED = {"steps_per_epoch": 0, "prof": -1, "seed": 0, "train_split": None, "loss_scale": None}
 RESULT_FORMATS = (".json", ".csv")
 INHERITED = """\
-defaults: DATA, -b, --image-size, --crop-pct, --interpolation, --opt-level, --keep-batchnorm-fp32,
-  --channels-last and the datasets columns take the checkpoint's value unless given (the defaults
-  printed above apply only where the checkpoint has none); --mixed-precision comes from the
-  Accelerate config if it names fp16/bf16, else the dtype the checkpoint was trained with."""
+defaults: DATA, -b, --image-size, --crop-pct, --interpolation, --opt-level, --keep-batchnorm-fp32
+  and the datasets columns take the checkpoint's value unless given (the defaults printed above
+  apply only where the checkpoint has none); --mixed-precision comes from the Accelerate config if
+  it names fp16/bf16, else the dtype the checkpoint was trained with; --channels-last follows this
+  device (on for CUDA), not the checkpoint."""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagSafeHelpFormatter):

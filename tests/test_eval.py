@@ -402,3 +402,16 @@ def test_a_checkpoint_names_its_data_folder_absolutely(tmp_path, monkeypatch):
     assert absolute_data("hf:fake") == "hf:" + str(tmp_path / "fake")
     assert [absolute_data(name) for name in (None, "digits", "synthetic", "hf:mnist", "missing")] == \
         [None, "digits", "synthetic", "hf:mnist", "missing"]
+
+
+def test_channels_last_follows_the_evaluating_device_not_the_checkpoint(trained, evaluate, tmp_path):
+    """A checkpoint from a CUDA run stores channels_last True (the default there); evaluated on a CPU
+    it runs in the CPU's default layout unless --channels-last is given."""
+    state = torch.load(trained[0] / "checkpoint.pth.tar", weights_only=True)
+    state["args"]["channels_last"] = True
+    save_checkpoint(state, False, tmp_path / "from_cuda")
+    checkpoint = tmp_path / "from_cuda" / "checkpoint.pth.tar"
+    for flags, expected in (((), False), (("--channels-last", "True"), True)):
+        record_file = tmp_path / f"r{int(expected)}.json"
+        evaluate("--resume", checkpoint, "-j", "0", "--results-file", record_file, *flags)
+        assert json.loads(record_file.read_text())["channels_last"] is expected

@@ -1,0 +1,11 @@
+# Call C (a fresh machine, because the one call A used was given back before b.sh could run): round 3
+# first, appended to the CSV of rounds 1-2 (docs/results/h200_session_61ecf13/bench.csv; valid only while
+# the input pipeline and training loop are 61ecf13's), then the GPU suite if 200 s or more are left.
+source docs/results/pending_gpu_calls/common.sh
+make_data 16
+cp docs/results/h200_session_61ecf13/bench.csv /tmp/bench.csv
+benchmark_round r3
+[ $((${CAP:-575} - SECONDS)) -ge 200 ] || { echo "no time left for the GPU suite (t=$SECONDS)"; exit 0; }
+timeout -k 5 $((${CAP:-575} - SECONDS)) python3 -m pytest -v -n 4 -m gpu tests -p no:cacheprovider --durations=10 > $OUT/gpu_suite.log 2>&1
+echo "suite rc=$? t=$SECONDS"
+grep -vE "$NOISE" $OUT/gpu_suite.log | grep -E "FAILED|ERROR|passed|failed" | tail -15
