@@ -406,12 +406,14 @@ def test_a_checkpoint_names_its_data_folder_absolutely(tmp_path, monkeypatch):
 
 def test_channels_last_follows_the_evaluating_device_not_the_checkpoint(trained, evaluate, tmp_path):
     """A checkpoint from a CUDA run stores channels_last True (the default there); evaluated on a CPU
-    it runs in the CPU's default layout unless --channels-last is given."""
+    it runs in the CPU's default layout unless --channels-last is given. The checkpoint here stores
+    the other device's default, so the test holds on a GPU machine too (eval runs on CUDA there)."""
+    default_here = torch.cuda.is_available()  # ARCH has 2-D convolutions: on by default on CUDA only
     state = torch.load(trained[0] / "checkpoint.pth.tar", weights_only=True)
-    state["args"]["channels_last"] = True
-    save_checkpoint(state, False, tmp_path / "from_cuda")
-    checkpoint = tmp_path / "from_cuda" / "checkpoint.pth.tar"
-    for flags, expected in (((), False), (("--channels-last", "True"), True)):
+    state["args"]["channels_last"] = not default_here
+    save_checkpoint(state, False, tmp_path / "other_device")
+    checkpoint = tmp_path / "other_device" / "checkpoint.pth.tar"
+    for flags, expected in (((), default_here), (("--channels-last", str(not default_here)), not default_here)):
         record_file = tmp_path / f"r{int(expected)}.json"
         evaluate("--resume", checkpoint, "-j", "0", "--results-file", record_file, *flags)
         assert json.loads(record_file.read_text())["channels_last"] is expected
