@@ -152,6 +152,12 @@ def test_other_code_runs_each_configuration_beside_this_copy(tmp_path):
     assert all(float(row["img_per_s"]) > 0 for row in rows[1:])
     assert {path.name for path in tmp_path.glob("bench-*")} == {"bench-synthetic--0-False",
                                                                   "bench-synthetic--0-False-before"}
+    # each run's printed output is kept, named by round and row: the interval lines behind its figure
+    logs = {path.name: path.read_text() for path in (tmp_path / "benchmark-logs").iterdir()}
+    for name in ("r1-train.py-synthetic-j0-compile-False.log", "r1-train.py_before_-synthetic-j0-compile-False.log"):
+        assert re.search(r"Epoch: \[0\]\[2/2\]\tTime", logs.pop(name))
+    assert list(logs) == (["r1-plain_PyTorch_random_batch_on_the_GPU-none-j0-compile-False.log"]
+                          if torch.cuda.is_available() else [])  # no CUDA: the reference is not run
 
 
 def test_other_code_without_train_py_is_a_usage_error(tmp_path):

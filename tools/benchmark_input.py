@@ -267,6 +267,22 @@ def configuration(row):
     return tuple(str(row[key]) for key in ("name", "backend", "workers", "compile", "setup"))
 
 
+def log_name(round_, planned):
+    """The file a run's printed output is kept in: round, then what the row is named by."""
+    parts = [f"r{round_}", planned.name, planned.backend, planned.decoder, f"j{planned.workers}",
+             f"compile-{planned.compile}"]
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", "-".join(part for part in parts if part)).strip("_") + ".log"
+
+
+def keep_output(runs_dir, round_, planned, output):
+    """Keep a run's printed output (the interval lines an epoch average comes from) beside its
+    output folder: the CSV holds only the figures, and a device call brings files back."""
+    folder = os.path.join(runs_dir, "benchmark-logs")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, log_name(round_, planned)), "w") as file:
+        file.write(output)
+
+
 def setup(args):
     """The flags every run of an invocation shares, as the CSV's setup column records them."""
     return shlex.join([args.data, "-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level,
@@ -331,7 +347,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=1, help="rounds: every configuration this many times, "
                         "round by round, then each one's median (default: %(default)s)")
     parser.add_argument("--runs-dir", default="/tmp", help="where each run's output folder goes "
-                        "(bench-BACKEND-DECODER-WORKERS-COMPILE; default: %(default)s)")
+                        "(bench-BACKEND-DECODER-WORKERS-COMPILE), and each run's printed output "
+                        "(benchmark-logs/rROUND-NAME.log: the interval lines behind a figure; default: %(default)s)")
     parser.add_argument("--other-code", nargs="+", default=[], metavar="DIR",
                         help="other copies of this project whose train.py runs each configuration too, "
                         "in the same rounds (an A/B of two versions on one machine start)")
@@ -379,6 +396,8 @@ def main():
         for planned in runs:
             output, note, seconds, memory = ("", planned.note, 0.0, "") if planned.command is None else \
                 run(planned.command, args.timeout)
+            if planned.command is not None:
+                keep_output(args.runs_dir, round_, planned, output)
             fields = dict(decoder=planned.decoder, workers=planned.workers, round_=round_)
             if planned.kind == "plain":
                 found = PLAIN_SPEED.findall(output)

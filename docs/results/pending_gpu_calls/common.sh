@@ -15,5 +15,6 @@ benchmark_round() {  # one round, capped so that the call ends by CAP (575) s; t
         --out /tmp/bench.csv --runs-dir /tmp > $OUT/bench_$1.log 2>&1
     echo "bench $1 rc=$? t=$SECONDS"
     cp /tmp/bench.csv $OUT/bench.csv
+    [ -d /tmp/benchmark-logs ] && cp -r /tmp/benchmark-logs $OUT/  # each run's printed output (its interval lines)
     grep -vE "$NOISE" $OUT/bench_$1.log | grep -E "^train|^plain|^=>|^   " | cut -c1-160
 }
