@@ -8,8 +8,9 @@
 
 Every flag left out comes from the checkpoint's own training command line (its stored args):
 DATA, image size, crop, batch size, opt level (channels_last follows this device instead); the
-architecture and the number of classes always do (-a / --num-classes given on the command line must match them). Flags that
-only make sense for training (--lr, --epochs, ...) are refused rather than silently ignored.
+architecture and the number of classes always do (-a / --num-classes given on the command line
+must match them). Flags that only make sense for training (--lr, --epochs, ...) are refused
+rather than silently ignored.
 --pretrained instead scores the weights torchvision or timm publish for -a (never downloaded: from
 the local cache, as train.py --pretrained), with the model's own input size, crop, interpolation
 and mean/std, so the val pipeline can be checked against the published top-1; DATA must hold the
