@@ -6,6 +6,4 @@ make_data 16
 cp docs/results/h200_session_61ecf13/bench.csv /tmp/bench.csv
 benchmark_round r3
 [ $((${CAP:-575} - SECONDS)) -ge 200 ] || { echo "no time left for the GPU suite (t=$SECONDS)"; exit 0; }
-timeout -k 5 $((${CAP:-575} - SECONDS)) python3 -m pytest -v -n 4 -m gpu tests -p no:cacheprovider --durations=10 > $OUT/gpu_suite.log 2>&1
-echo "suite rc=$? t=$SECONDS"
-grep -vE "$NOISE" $OUT/gpu_suite.log | grep -E "FAILED|ERROR|passed|failed" | tail -15
+gpu_suite $((${CAP:-575} - SECONDS))
