@@ -318,11 +318,17 @@ def test_checkpoint_with_a_missing_key_or_wrong_type_is_named(usage_error, tmp_p
                 *needles)
 
 
-def test_full_disk_during_a_save_exits_4_and_keeps_the_previous_checkpoint(first_run, tmp_path):
+@pytest.mark.parametrize("best_so_far,failing", [(101.0, "checkpoint.pth.tar"), (-1.0, "model_best.pth.tar")])
+def test_full_disk_during_a_save_exits_4_and_keeps_the_previous_checkpoint(first_run, tmp_path, best_so_far, failing):
     """A real write failure: the resumed run may write files no larger than half the checkpoint
     (RLIMIT_FSIZE; SIGXFSZ ignored so write() returns EFBIG rather than killing the process, as a
-    full disk's ENOSPC would), so its first save fails mid-file."""
+    full disk's ENOSPC would), so its first save fails mid-file. Which file that is depends on
+    whether the epoch is a new best (model_best.pth.tar is written first), so both saved files get
+    a best_prec1 that settles it: 101 (no epoch beats it) or -1 (every epoch does)."""
     out = copy_run(first_run, tmp_path / "run")
+    for name in ("checkpoint.pth.tar", "model_best.pth.tar"):
+        state = torch.load(out / name, weights_only=False)
+        torch.save({**state, "best_prec1": best_so_far}, out / name)
     size = os.path.getsize(out / "checkpoint.pth.tar")
     (out / ".tmp-k1ll3d-checkpoint.pth.tar").write_bytes(b"half a checkpoint")  # a save killed earlier
 
@@ -330,17 +336,18 @@ def test_full_disk_during_a_save_exits_4_and_keeps_the_previous_checkpoint(first
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
 
-    before = (out / "checkpoint.pth.tar").read_bytes()
+    before = {name: (out / name).read_bytes() for name in ("checkpoint.pth.tar", "model_best.pth.tar")}
     result = run_train("--resume", out / "checkpoint.pth.tar", "--output-dir", out, "--epochs", "2", *QUICK,
                        preexec_fn=limit_file_size)
     assert result.returncode == EXIT_WRITE_FAILED, (result.returncode, result.stderr[-3000:])
     lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning:")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"could not write {out / 'checkpoint.pth.tar'}: File too large (EFBIG)" in lines[0]
+    assert f"could not write {out / failing}: File too large (EFBIG)" in lines[0]
     assert "still loads" in lines[0]
     assert "removed 1 temp file(s) an interrupted save left" in result.stdout
     assert "Epoch: [1][4/4]" in result.stdout  # it trained, then failed to save
-    assert (out / "checkpoint.pth.tar").read_bytes() == before
+    for name, content in before.items():  # neither saved file was touched
+        assert (out / name).read_bytes() == content, name
     assert torch.load(out / "checkpoint.pth.tar", weights_only=True)["epoch"] == 1
     assert not [name for name in os.listdir(out) if name.startswith(".tmp-")]
 
