@@ -394,9 +394,10 @@ def main():
     for round_ in range(first_round, first_round + args.repeat):
         plain = {}  # this round's reference figure per compile value
         for planned in runs:
-            output, note, seconds, memory = ("", planned.note, 0.0, "") if planned.command is None else \
-                run(planned.command, args.timeout)
-            if planned.command is not None:
+            if planned.command is None:  # a run that cannot happen here: its row carries the note
+                output, note, seconds, memory = "", planned.note, 0.0, ""
+            else:
+                output, note, seconds, memory = run(planned.command, args.timeout)
                 keep_output(args.runs_dir, round_, planned, output)
             fields = dict(decoder=planned.decoder, workers=planned.workers, round_=round_)
             if planned.kind == "plain":
