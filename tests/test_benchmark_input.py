@@ -95,8 +95,8 @@ def test_medians_group_runs_by_configuration_and_hold_them_to_the_plain_median()
 
 def test_append_adds_rounds_to_the_csv_and_refuses_other_flags(tmp_path):
     """--append: a second invocation numbers its round on from the CSV's and gives medians over
-    both; a file written with other flags, or not by this tool, is refused before anything runs,
-    and left as it was."""
+    both; a file written with other flags, timed on another kind of device, or not by this tool, is
+    refused before anything runs, and left as it was."""
     out = tmp_path / "bench.csv"
     flags = ["--backends", "synthetic", "--compile", "False", "--workers", "0", "-a", "resnet18", "-b", "16",
              "--opt-level", "O0", "--steps-per-epoch", "2", "--epochs", "1", "--train-args", "--image-size 32 -p 1",
@@ -108,6 +108,8 @@ def test_append_adds_rounds_to_the_csv_and_refuses_other_flags(tmp_path):
     assert [(row["backend"], row["round"]) for row in rows] == [("none", "1"), ("synthetic", "1"),
                                                                  ("none", "2"), ("synthetic", "2")]
     assert {row["host"] for row in rows} == {socket.gethostname()}
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    assert {row["device"] for row in rows} == {device}
     assert {row["setup"] for row in rows} == {f"{tmp_path} -a resnet18 -b 16 --opt-level O0 --steps-per-epoch 2 "
                                               "--epochs 1 --train-args '--image-size 32 -p 1'"}
     speeds = sorted(float(row["img_per_s"]) for row in rows[1::2])
@@ -124,6 +126,12 @@ def test_append_adds_rounds_to_the_csv_and_refuses_other_flags(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "differing: " in result.stderr and "train.py synthetic -j 0 compile True" in result.stderr
     assert out.read_bytes() == written
+    # A machine asked for as one card can come as another: its rounds must not join the file's medians.
+    other_card = written.decode().replace(f",{device},", ",NVIDIA H200,")
+    out.write_text(other_card)
+    result = run_script(TOOL, tmp_path, *flags)
+    assert result.returncode == 2 and "timed on NVIDIA H200" in result.stderr and device in result.stderr
+    assert out.read_text() == other_card
     out.write_text("round,img_per_s\n1,10\n")
     result = run_script(TOOL, tmp_path, *flags)
     assert result.returncode == 2 and "does not have this tool's columns" in result.stderr

@@ -34,8 +34,10 @@ the code on one machine start, where two invocations on two starts would differ 
 change.
 --append adds this invocation's rounds to the rows already in --out (rounds numbered on, medians
 over all of them), so that one benchmark can be split over several shorter calls; it refuses a file
-written with other flags. Every row names the host it ran on and the flags its runs shared (setup),
-and the tool says when the rows come from more than one host.
+written with other flags or timed on another kind of device (a machine lent as an H200 can be an
+H100: one median over both would mean nothing). Every row names the device that timed it (the GPU's
+name, or cpu), the host it ran on and the flags its runs shared (setup), and the tool says when the
+rows come from more than one host.
 """
 import argparse
 import csv
@@ -93,7 +95,7 @@ print(f"plain img/s {steps * batch / (time.perf_counter() - start):.1f}")
 """
 
 COLUMNS = ("name", "backend", "decoder", "workers", "compile", "opt_level", "img_per_s", "ratio_to_plain",
-           "gpu_mem_gib", "seconds", "note", "epochs", "second_half_img_per_s", "round", "host", "setup")
+           "gpu_mem_gib", "seconds", "note", "epochs", "second_half_img_per_s", "round", "device", "host", "setup")
 
 
 class PeakGpuMemory:
@@ -290,10 +292,10 @@ def setup(args):
                        *(["--train-args", args.train_args] if args.train_args else [])])
 
 
-def earlier_rows(path, runs, setup_):
+def earlier_rows(path, runs, setup_, device):
     """The rows an earlier invocation wrote to `path` (--append), or [] if there is no such file.
-    A usage error (ValueError with the message) when they are not the runs this invocation plans:
-    medians over both would mix configurations."""
+    A usage error (ValueError with the message) when they are not the runs this invocation plans,
+    or were timed on another kind of device: medians over both would mix them."""
     if not os.path.exists(path):
         return []
     with open(path, newline="") as file:
@@ -308,6 +310,11 @@ def earlier_rows(path, runs, setup_):
     if setups != [setup_]:
         raise ValueError(f"--append: {path} was written with {' / '.join(setups)}; these flags give {setup_}. "
                          "Give the flags of the invocation that wrote it, or a new --out")
+    devices = sorted({row["device"] for row in rows})
+    if devices != [device]:
+        raise ValueError(f"--append: {path} was timed on {' / '.join(devices)}; this machine's device is {device}, "
+                         "and one median over both would mean nothing. Give a new --out, or run where that file's "
+                         "rounds ran")
     planned = {configuration(dict(name=run.name, backend=run.backend, workers=run.workers, compile=run.compile,
                                   setup=setup_)) for run in runs}
     found = {configuration(row) for row in rows}
@@ -322,6 +329,12 @@ def earlier_rows(path, runs, setup_):
 def cuda_available():
     import torch
     return torch.cuda.is_available()
+
+
+def device_name(cuda):
+    """What times the runs, as the CSV's device column names it: the GPU's model, or cpu."""
+    import torch
+    return torch.cuda.get_device_name(0) if cuda else "cpu"
 
 
 def main():
@@ -375,17 +388,18 @@ def main():
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: at least one round")
 
-    runs = planned_runs(args, cuda_available())
-    shared_flags = setup(args)
+    cuda = cuda_available()
+    runs = planned_runs(args, cuda)
+    shared_flags, device = setup(args), device_name(cuda)
     try:
-        rows = earlier_rows(args.out, runs, shared_flags) if args.append else []
+        rows = earlier_rows(args.out, runs, shared_flags, device) if args.append else []
     except ValueError as err:
         parser.error(str(err))
     first_round = max((int(row["round"]) for row in rows), default=0) + 1
     earlier = len(rows)  # rows of an earlier invocation: their failures were reported by it
 
     def record(row, output):
-        rows.append(dict(row, host=socket.gethostname(), setup=shared_flags))
+        rows.append(dict(row, device=device, host=socket.gethostname(), setup=shared_flags))
         print(" | ".join(str(rows[-1][key]) for key in COLUMNS if key != "setup"), flush=True)
         if row["img_per_s"] in ("", None) and output:
             print(output[-2000:], flush=True)
