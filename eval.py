@@ -33,19 +33,37 @@ import os
 
 import torch
 
-from utils.checkpoint import checkpoint_weights, load_checkpoint, load_model_weights
-from utils.cli import (FlagSafeHelpFormatter, OneLineErrorParser, OnlyTyped, add_data_args, add_datasets_args,
-                       add_precision_args, add_run_args, positive_int)
 from utils.compiled import compile_model
-from utils.data import build_data
-from utils.engine import validate
-from utils.errors import UsageError, exit_on_usage_error
-from utils.files import atomic_write, output_file_problem
+from utils.data.sources import build_data
+from utils.device import make_accelerator, warn
+from utils.engine import Watch, validate
+from utils.flags.parser import (
+    EVALUATION_DEFAULTS,
+    FlagSafeHelpFormatter,
+    OneLineErrorParser,
+    OnlyTyped,
+    add_data_args,
+    add_datasets_args,
+    add_precision_args,
+    add_run_args,
+    positive_int,
+)
+from utils.flags.precedence import (
+    checkpoint_half_dtype,
+    fp32_over_inherited_level,
+    half_dtype_to_inherit,
+    keep_bn_for_opt_level,
+    parse_args,
+)
+from utils.flags.specs import data_spec, device_settings, precision_flags
 from utils.logs import Progress
 from utils.models import REFUSED, build_model, check_input_size, torchvision_names
 from utils.precision import Precision
-from utils.setup import (RUN_FILES, checkpoint_half_dtype, fp32_over_inherited_level, half_dtype_to_inherit,
-                         keep_bn_for_opt_level, make_accelerator, parse_args, warn)
+from utils.predictions import PredictionRecorder, write_predictions
+from utils.run.checkpoint import checkpoint_weights, load_checkpoint, load_model_weights
+from utils.run.directory import RUN_FILES
+from utils.run.errors import UsageError, exit_on_usage_error
+from utils.run.files import atomic_write, output_file_problem
 
 # Training settings eval.py inherits from the checkpoint when the command line leaves them out.
 # Not --channels-last: a memory layout for the device at hand (on by default on CUDA, off elsewhere),
@@ -56,7 +74,7 @@ FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "interpolation", "mean", "s
 # How a datasets source is read: inherited only together with the checkpoint's DATA.
 DATA_READING = ("val_split", "image_column", "label_column")
 # Training settings the shared start-up and data code reads; evaluation uses none of them.
-NOT_EVALUATED = {"steps_per_epoch": 0, "prof": -1, "seed": 0, "train_split": None, "loss_scale": None}
+NOT_EVALUATED = {"steps_per_epoch": 0, "prof": -1, "seed": 0, "train_split": None, "loss_scale": None, "aa": "none"}
 RESULT_FORMATS = (".json", ".csv")
 INHERITED = """\
 defaults: DATA, -b, --image-size, --crop-pct, --interpolation, --opt-level, --keep-batchnorm-fp32
@@ -70,26 +88,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagSafeHelpFormatter)
     """The usage examples and the defaults note keep their lines; flag help wraps as elsewhere."""
 
 
-def writable_output(text):
-    """An output file name that can be written without harm (utils.files.output_file_problem)."""
-    problem = output_file_problem(text, RUN_FILES)
-    if problem:
-        raise argparse.ArgumentTypeError(f"{text!r}: {problem}; choose another file")
-    return text
-
-
-def results_path(text):
-    """--results-file: the format follows the extension, checked before any work is done."""
-    if os.path.splitext(text)[1].lower() not in RESULT_FORMATS:
-        raise argparse.ArgumentTypeError(f"expected a file name ending in .json or .csv, got {text!r}")
-    return writable_output(text)
-
-
-def predictions_path(text):
-    """--predictions: a CSV file name, checked before any work is done."""
-    if os.path.splitext(text)[1].lower() != ".csv":
-        raise argparse.ArgumentTypeError(f"expected a file name ending in .csv, got {text!r}")
-    return writable_output(text)
+def output_path(*extensions):
+    """The argparse type of an output file: a name ending in one of extensions (the format follows
+    it) that can be written without harm (utils.run.files.output_file_problem), checked before any
+    work is done."""
+    def check(text):
+        if os.path.splitext(text)[1].lower() not in extensions:
+            expected = " or ".join(extensions)
+            raise argparse.ArgumentTypeError(f"expected a file name ending in {expected}, got {text!r}")
+        problem = output_file_problem(text, RUN_FILES)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text!r}: {problem}; choose another file")
+        return text
+    return check
 
 
 def build_eval_parser():
@@ -110,10 +121,10 @@ def build_eval_parser():
     group.add_argument("--num-classes", type=positive_int, default=None, metavar="N",
                        help="must match the checkpoint's classifier (default: the checkpoint's), or "
                             "with --pretrained the weights' (default: theirs, e.g. 1000)")
-    group.add_argument("--results-file", type=results_path, default=None, metavar="PATH",
+    group.add_argument("--results-file", type=output_path(*RESULT_FORMATS), default=None, metavar="PATH",
                        help="also write the figures, with the checkpoint's epoch, arch and opt level, "
                             "to PATH: .json (one object) or .csv (a header and one row) (default: none)")
-    group.add_argument("--predictions", type=predictions_path, default=None, metavar="PATH.csv",
+    group.add_argument("--predictions", type=output_path(".csv"), default=None, metavar="PATH.csv",
                        help="also write every val image's top-5 to PATH.csv: one row per image (index, "
                             "path, label and its name, 5 class indices, probabilities and names), "
                             "from all processes (default: none)")
@@ -124,12 +135,12 @@ def build_eval_parser():
     add_precision_args(parser, training=False)
     add_run_args(parser, training=False)
     parser.set_defaults(**NOT_EVALUATED)
-    parser.set_defaults(evaluate=True)  # -e or not: the shared start-up checks must see an evaluation
+    parser.set_defaults(**EVALUATION_DEFAULTS)  # -e or not: the shared start-up checks must see an evaluation
     return parser
 
 
 def typed_flags(argv):
-    """The first parse: answers --help and bad values; returns (dests the user typed, --resume)."""
+    """The first parse: answers --help and bad values; returns {dest: value} of the flags typed."""
     typed, unknown = build_eval_parser().parse_known_args(argv, namespace=OnlyTyped())
     flags = sorted({arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")})
     if flags:
@@ -137,7 +148,7 @@ def typed_flags(argv):
                          "(--lr, --epochs, ...): drop them (see eval.py --help)")
     if unknown:
         raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see eval.py --help)")
-    return {dest for dest, value in vars(typed).items() if value is not None}, typed.resume
+    return {dest: value for dest, value in vars(typed).items() if value is not None}
 
 
 def checkpoint_num_classes(checkpoint):
@@ -157,48 +168,58 @@ def parse_eval_args(argv):
     """Command line over checkpoint: argparse's own precedence does the merge, because the
     checkpoint's settings become the parser's defaults before the second, real, parse."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    given, resume = typed_flags(argv)
-    if "pretrained" in given:
-        return parse_pretrained_args(argv, given, resume), None
-    if not resume:
+    typed = typed_flags(argv)
+    if "pretrained" in typed:
+        return parse_pretrained_args(argv, typed), None
+    if not typed.get("resume"):
         raise UsageError("eval.py needs a checkpoint: --resume PATH (e.g. model_best.pth.tar), or "
                          "--pretrained -a ARCH for published weights")
-    checkpoint = load_checkpoint(resume)
-    stored = checkpoint.get("args") or {}
-    inherit = [key for key in FROM_CHECKPOINT if not ("data" in given and key in DATA_READING)]
-    # set_defaults also covers mean/std, which are no flags: parse_args puts them on args as well.
-    defaults = {key: stored[key] for key in inherit if key in stored}
-    defaults["arch"] = checkpoint["arch"]
-    defaults["opt_level"] = checkpoint.get("opt_level") or defaults.get("opt_level")
-    defaults["num_classes"] = checkpoint_num_classes(checkpoint)
+    checkpoint = load_checkpoint(typed["resume"])
+    defaults = checkpoint_defaults(checkpoint, typed)
     parser = build_eval_parser()
     parser.set_defaults(**defaults)
     args = parse_args(parser, argv)
+    given = set(typed)
     if fp32_over_inherited_level(args, given):
         given = given | {"opt_level"}
     keep_bn_for_opt_level(args, "opt_level" in given, "keep_batchnorm_fp32" in given, defaults["opt_level"])
     check_against_checkpoint(args, given, checkpoint, defaults)
-    if args.mixed_precision is None:  # the checkpoint's fp16/bf16 unless a flag or Accelerate names one
-        args.mixed_precision = half_dtype_to_inherit(checkpoint, args.opt_level)
     return args, checkpoint
 
 
-def parse_pretrained_args(argv, given, resume):
+def checkpoint_defaults(checkpoint, typed):
+    """The checkpoint's settings as eval.py's defaults (typed: {dest: value} of the flags typed).
+    set_defaults also covers mean/std, which are no flags: parse_args puts them on args as well."""
+    stored = checkpoint.get("args") or {}
+    inherit = [key for key in FROM_CHECKPOINT if not ("data" in typed and key in DATA_READING)]
+    defaults = {key: stored[key] for key in inherit if key in stored}
+    defaults["arch"] = checkpoint["arch"]
+    defaults["opt_level"] = checkpoint.get("opt_level") or defaults.get("opt_level")
+    defaults["num_classes"] = checkpoint_num_classes(checkpoint)
+    # --mixed-precision: the checkpoint's fp16/bf16 at the opt level this run evaluates at, unless a
+    # flag or Accelerate names one (a typed --mixed-precision no, which may lower the level, wins).
+    level = typed["opt_level"] if "opt_level" in typed else defaults["opt_level"]
+    defaults["mixed_precision"] = half_dtype_to_inherit(checkpoint, level)
+    return defaults
+
+
+def parse_pretrained_args(argv, typed):
     """--pretrained: no checkpoint; -a names the model, the weights fix the number of classes, and
     the model's data config (a timm model's size, crop, interpolation, mean/std) fills the data
-    flags left out (utils.setup.parse_args -> apply_source_defaults)."""
-    if resume:
+    flags left out (utils.flags.precedence.parse_args -> apply_source_defaults)."""
+    if typed.get("resume"):
         raise UsageError("--pretrained and --resume both name the weights to evaluate; give one of them")
-    if "arch" not in given:
+    if "arch" not in typed:
         raise UsageError("--pretrained needs -a ARCH: the torchvision or timm/<name> model whose weights "
                          "to evaluate (e.g. -a resnet50)")
-    args = parse_args(build_eval_parser(), argv)
-    classes = pretrained_num_classes(args.arch)
-    if args.num_classes is not None and args.num_classes != classes:
-        raise UsageError(f"the pretrained {args.arch} weights have {classes} classes, not --num-classes "
-                         f"{args.num_classes}; drop --num-classes")
-    args.num_classes = classes
-    return args
+    parser = build_eval_parser()
+    arch = parse_args(parser, argv).arch  # parse_args refuses an unknown timm name or weight tag first
+    classes = pretrained_num_classes(arch)
+    if typed.get("num_classes", classes) != classes:
+        raise UsageError(f"the pretrained {arch} weights have {classes} classes, not --num-classes "
+                         f"{typed['num_classes']}; drop --num-classes")
+    parser.set_defaults(num_classes=classes)  # the weights' count is the default, as a checkpoint's is
+    return parse_args(parser, argv)
 
 
 def pretrained_num_classes(arch):
@@ -258,41 +279,36 @@ def check_classes(data, checkpoint, args):
                          f"{args.num_classes}; evaluate on the data it was trained on")
 
 
-def best_line(checkpoint):
-    """'best Prec@1 X' as the checkpoint counted it: of the EMA weights under --model-ema-best."""
-    judged = " (of the EMA weights: --model-ema-best)" if (checkpoint.get("args") or {}).get("model_ema_best") else ""
-    return f"best Prec@1 {checkpoint.get('best_prec1', float('nan')):.3f}{judged}"
-
-
-def build_eval_model(args, accelerator, recipe, checkpoint):
-    """The checkpoint's model with the recipe applied. Not prepared: no DDP is needed to score,
-    and each process scores its own images."""
+def build_eval_model(args, accelerator, plan, checkpoint, device):
+    """The checkpoint's model with the precision plan applied, in the memory format and compiled
+    as device (utils.device.DeviceSettings) settled. Not prepared: no DDP is needed to score, and
+    each process scores its own images."""
     if checkpoint is None:  # --pretrained: the local cache or the refusal train.py gives
         model = build_model(args.arch, args.num_classes, pretrained=True)
     else:
         model = build_model(args.arch, args.num_classes)
         load_model_weights(model, checkpoint_weights(checkpoint, args.resume, args.ema), args.arch, args.resume)
     check_input_size(model, args.arch, args.image_size)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if device.channels_last else torch.contiguous_format
     model = model.to(accelerator.device, memory_format=memory_format)
-    precision = Precision(recipe, model, accelerator.device.type)
-    if args.compile:  # after the recipe's casts and hooks, so the compiled graph holds them
-        model = compile_model(model, args.compile, accelerator.print, getattr(args, "compile_mode", "default"))
+    precision = Precision(plan, model, accelerator.device.type)
+    if device.compile:  # after the plan's casts and hooks, so the compiled graph holds them
+        model = compile_model(model, device.compile, accelerator.print, device.compile_mode)
     return model, precision
 
 
-def result_record(args, checkpoint, recipe, result, accelerator):
+def result_record(args, checkpoint, plan, result, accelerator, channels_last):
     checkpoint = checkpoint or {}  # --pretrained: no epoch, no training opt level
     return {
         "checkpoint": os.path.abspath(args.resume) if args.resume else f"pretrained {args.arch}",
         "weights": "ema" if args.ema else "model",
         "epoch": checkpoint.get("epoch"), "arch": args.arch, "opt_level": checkpoint.get("opt_level"),
-        "eval_opt_level": recipe.opt_level, "eval_dtype": recipe.dtype_name,
+        "eval_opt_level": plan.opt_level, "eval_dtype": plan.dtype_name,
         "data": args.data or "digits", "images": result.count,
         "top1": round(result.top1, 4), "top5": round(result.top5, 4), "loss": round(result.loss, 6),
         "images_per_sec": round(result.images_per_sec, 2), "seconds": round(result.seconds, 3),
         "processes": accelerator.num_processes, "batch_size": args.batch_size,
-        "image_size": args.image_size, "channels_last": args.channels_last,
+        "image_size": args.image_size, "channels_last": channels_last,
     }
 
 
@@ -309,80 +325,8 @@ def write_results(record, path):
     atomic_write(path, text)
 
 
-class PredictionRecorder(torch.nn.Module):
-    """The eval criterion that also keeps each batch's top-k classes and probabilities.
-
-    validate() hands the criterion every batch's logits and targets, in loader order, so recording
-    here needs no second pass over the val split and no change to the shared loop. Kept on the
-    device until the end: no host sync per batch.
-    """
-
-    def __init__(self, criterion, num_classes, k=5):
-        super().__init__()
-        self.criterion = criterion
-        self.k = min(k, num_classes)
-        self.top, self.classes, self.targets = [], [], []
-
-    def forward(self, output, target):
-        with torch.no_grad():
-            top = torch.softmax(output.float(), dim=1).topk(self.k, dim=1)
-            self.top.append(top.values)
-            self.classes.append(top.indices)
-            self.targets.append(target)
-        return self.criterion(output, target)
-
-    def rows(self, indices, paths, names):
-        """This process's rows; indices: the val-split index of each image it scored, in order."""
-        if not self.targets:
-            return []
-        probs, classes = torch.cat(self.top).cpu().tolist(), torch.cat(self.classes).cpu().tolist()
-        targets = torch.cat(self.targets).cpu().tolist()
-        if len(targets) != len(indices):  # a sharding change must not mislabel rows
-            raise RuntimeError(f"scored {len(targets)} images but this process's share is {len(indices)}")
-        name = lambda label: names[label] if names and label < len(names) else ""
-        return [[index, paths[index] if paths else "", label, name(label), *top_classes,
-                 *[round(p, 6) for p in top_probs], *[name(c) for c in top_classes]]
-                for index, label, top_classes, top_probs in zip(indices, targets, classes, probs)]
-
-
-def val_identity(data, accelerator):
-    """(val-split indices this process scores, in order; file paths by index or None).
-
-    utils.batches.sharded_data gives rank r every world-th image: r, r + world, ...; ImageFolder
-    sources (and the digits cache) know each image's path, datasets sources only its row."""
-    indices = list(range(accelerator.process_index, data.val_size, accelerator.num_processes))
-    dataset = getattr(getattr(data.val, "loader", None), "dataset", None)
-    samples = getattr(dataset, "samples", None)
-    # Only file paths name an image (a datasets source read by the gpu backend holds row keys).
-    if not samples or not isinstance(samples[0][0], (str, os.PathLike)):
-        return indices, None
-    return indices, [str(where) for where, _ in samples]
-
-
-def write_predictions(recorder, data, accelerator, args, checkpoint, path):
-    """Gather every process's rows to the main process, check each image is there once, write."""
-    from accelerate.utils import gather_object
-
-    indices, paths = val_identity(data, accelerator)
-    names = data.classes or (checkpoint or {}).get("classes")
-    rows = gather_object(recorder.rows(indices, paths, names))
-    if not accelerator.is_main_process:
-        return
-    rows.sort(key=lambda row: row[0])
-    if [row[0] for row in rows] != list(range(data.val_size)):
-        raise RuntimeError(f"predictions hold {len(rows)} rows for a val split of {data.val_size} images")
-    ranks = range(1, recorder.k + 1)
-    header = ["index", "path", "label", "label_name", *[f"pred{r}" for r in ranks],
-              *[f"prob{r}" for r in ranks], *[f"name{r}" for r in ranks]]
-    buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(header)
-    writer.writerows(rows)
-    atomic_write(path, buffer.getvalue())
-
-
-def main(argv=None):
-    args, checkpoint = parse_eval_args(argv)
+def check_outputs(args, checkpoint):
+    """The output flags that cannot work with these weights or with each other, before any work."""
     if args.predictions and args.data == "synthetic":
         raise UsageError("--predictions needs real images; synthetic data has none to name: drop it")
     if args.ema and checkpoint is None:
@@ -390,40 +334,58 @@ def main(argv=None):
     if args.predictions and args.results_file and os.path.abspath(args.predictions) == os.path.abspath(args.results_file):
         raise UsageError(f"--results-file and --predictions name the same file {args.predictions!r}; the second "
                          "would replace the first: give two names")
-    accelerator, recipe, notes = make_accelerator(args)
-    for note in notes:
+
+
+def start_lines(args, checkpoint, data, accelerator):
+    """What is scored, on what: the weights (with the best Prec@1 as the checkpoint counted it: of
+    the EMA weights under --model-ema-best), then the val split and the processes."""
+    if checkpoint is None:
+        weights = f"=> evaluating the pretrained {args.arch} weights from the local cache"
+    else:
+        trained = f"{checkpoint.get('opt_level') or '?'} {checkpoint_half_dtype(checkpoint) or 'fp32'}"
+        judged = " (of the EMA weights: --model-ema-best)" if (checkpoint.get("args") or {}).get("model_ema_best") else ""
+        weights = (f"=> evaluating {args.resume!r}{' (its EMA weights)' if args.ema else ''}: {args.arch}, epoch "
+                   f"{checkpoint['epoch']}, trained at {trained}, best Prec@1 "
+                   f"{checkpoint.get('best_prec1', float('nan')):.3f}{judged}")
+    return [weights, f"=> {args.data or 'digits'} val: {data.val_size} images | {args.num_classes} classes | "
+                     f"{accelerator.num_processes} process(es) on {accelerator.device.type} | batch "
+                     f"{args.batch_size} per process | {args.image_size} px"]
+
+
+def main(argv=None):
+    args, checkpoint = parse_eval_args(argv)
+    check_outputs(args, checkpoint)
+    accelerator, plan, notes = make_accelerator(precision_flags(args), args.deterministic)
+    device = device_settings(args, accelerator.device.type)  # memory format, data backend, compile
+    for note in notes + [device.note] * bool(device.note):
         warn(accelerator, note)
     progress = Progress(accelerator)
     log = progress.print
 
     # The model first: missing --pretrained weights are refused before the val split is read.
-    model, precision = build_eval_model(args, accelerator, recipe, checkpoint)
-    data = build_data(args, accelerator, train=False)
+    model, precision = build_eval_model(args, accelerator, plan, checkpoint, device)
+    spec = data_spec(args, backend=device.data_backend, jpeg_decoder=device.jpeg_decoder,
+                     channels_last=device.channels_last)
+    data = build_data(spec, accelerator, train=False)
     check_classes(data, checkpoint, args)
-    if checkpoint is None:
-        log(f"=> evaluating the pretrained {args.arch} weights from the local cache")
-    else:
-        trained = f"{checkpoint.get('opt_level') or '?'} {checkpoint_half_dtype(checkpoint) or 'fp32'}"
-        log(f"=> evaluating {args.resume!r}{' (its EMA weights)' if args.ema else ''}: {args.arch}, epoch "
-            f"{checkpoint['epoch']}, trained at {trained}, {best_line(checkpoint)}")
-    log(f"=> {args.data or 'digits'} val: {data.val_size} images | {args.num_classes} classes | "
-        f"{accelerator.num_processes} process(es) on {accelerator.device.type} | batch {args.batch_size} "
-        f"per process | {args.image_size} px")
-    log(recipe.describe(evaluation=True))
-    log(args.input_line)
+    for line in [*start_lines(args, checkpoint, data, accelerator), plan.describe(evaluation=True),
+                 device.input_line]:
+        log(line)
 
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
     if args.predictions:
         criterion = PredictionRecorder(criterion, args.num_classes)
-    result = validate(model, data, precision, accelerator, args, criterion, log, progress)
+    result = validate(model, data, precision, accelerator, print_freq=args.print_freq, criterion=criterion,
+                      watch=Watch(log=log, progress=progress))
     log(f" * Loss {result.loss:.4f} Images {result.count} Speed {result.images_per_sec:.1f} images/s")
     if result.count != data.val_size:  # a sharding bug must never pass as a result
         raise RuntimeError(f"evaluated {result.count} images, but the val split holds {data.val_size}")
     if args.results_file and accelerator.is_main_process:
-        write_results(result_record(args, checkpoint, recipe, result, accelerator), args.results_file)
+        write_results(result_record(args, checkpoint, plan, result, accelerator, device.channels_last),
+                      args.results_file)
         log(f"=> results written to {args.results_file}")
     if args.predictions:
-        write_predictions(criterion, data, accelerator, args, checkpoint, args.predictions)
+        write_predictions(criterion, data, accelerator, args.predictions, names=(checkpoint or {}).get("classes"))
         log(f"=> {data.val_size} per-image predictions written to {args.predictions}")
     accelerator.end_training()
     return result

@@ -37,18 +37,41 @@ else:
 
     import torch
 
-    from utils.cli import (OPT_LEVELS, build_training_parser, non_negative_int, opt_level_type, positive_int,
-                           str2bool, typed_dests)
-    from utils.data import build_data
-    from utils.engine import diverged_message, steps_per_epoch, train_one_epoch, training_epochs
-    from utils.errors import Diverged, UsageError, exit_on_usage_error
-    from utils.profiling import (BenchmarkRow, PhaseProfiler, cuda_parts_skipped, format_benchmark_table,
-                                 format_phase_table, time_data_wait, write_benchmark_csv)
-    from utils.precision import resolve_recipe
-    from utils.files import output_file_problem
-    from utils.setup import RUN_FILES, build_or_resume, make_accelerator, parse_args, warn
+    from utils.data.sources import build_data
+    from utils.device import make_accelerator, warn
+    from utils.engine import Watch, diverged_message, train_one_epoch, training_epochs
+    from utils.flags.parser import (
+        OPT_LEVELS,
+        build_training_parser,
+        non_negative_int,
+        opt_level_type,
+        positive_int,
+        str2bool,
+        typed_dests,
+    )
+    from utils.flags.precedence import parse_args
+    from utils.flags.specs import data_spec, device_settings, precision_flags, training_loop, training_specs
+    from utils.precision import resolve_precision
+    from utils.profiling import (
+        BenchmarkRow,
+        PhaseProfiler,
+        cuda_parts_skipped,
+        format_benchmark_table,
+        format_phase_table,
+        time_data_wait,
+        write_benchmark_csv,
+    )
+    from utils.run.directory import RUN_FILES
+    from utils.run.errors import Diverged, UsageError, exit_on_usage_error
+    from utils.run.files import output_file_problem
+    from utils.training_state import build_or_resume
 
 PROF_DEFAULT = 100  # warm-up steps before the window: past cudnn.benchmark's search and allocator growth
+# profile.py times plain SGD steps with cross-entropy: train.py's optimizer and ingredient flags are
+# not its own, and these are the values they stand at (its parser defines them, so code that reads
+# them reads the run's real settings).
+PLAIN_SGD_STEPS = {"opt": "sgd", "no_wd_norm_bias": False, "clip_grad": None, "accum_steps": 1, "min_lr": 0.0,
+                   "drop_path": 0.0, "model_ema": False, "model_ema_decay": 0.9998, "aa": "none"}
 
 
 def comma_list(item_type):
@@ -87,6 +110,7 @@ def build_profile_parser():
                        metavar="LIST", help=f"opt levels --benchmark sweeps (default: {','.join(OPT_LEVELS)})")
     group.add_argument("--benchmark-channels-last", type=comma_list(str2bool), default=None,
                        metavar="LIST", help="channels_last settings --benchmark sweeps (default: False,True)")
+    parser.set_defaults(**PLAIN_SGD_STEPS)
     return parser
 
 
@@ -135,7 +159,7 @@ def check_profile_args(args):
                          "instead of --channels-last")
     for level in args.benchmark_levels or OPT_LEVELS:  # refused now, not after the levels before it ran
         try:
-            resolve_recipe(level, args.keep_batchnorm_fp32, args.loss_scale, args.mixed_precision, "--mixed-precision")
+            resolve_precision(level, args.keep_batchnorm_fp32, args.loss_scale, args.mixed_precision, "--mixed-precision")
         except UsageError as err:
             raise UsageError(f"--benchmark sweeps {level} too (--benchmark-levels), and there {err}") from None
     if args.benchmark_csv:
@@ -148,12 +172,13 @@ def check_profile_args(args):
         raise UsageError(f"--benchmark-csv {csv_path!r}: {problem}; choose another file")
 
 
-def check_enough_steps(args, data):
-    """The epochs left must hold the warm-up and the window (steps count on across epochs)."""
+def check_enough_steps(args, data, start_epoch):
+    """The epochs left from start_epoch (a resumed run's) must hold the warm-up and the window
+    (steps count on across epochs)."""
     per_epoch = len(data.train)
     if args.steps_per_epoch:
         per_epoch = min(per_epoch, args.steps_per_epoch)
-    epochs = max(args.epochs - args.start_epoch, 0)
+    epochs = max(args.epochs - start_epoch, 0)
     needed = args.prof + args.prof_steps
     if per_epoch * epochs < needed:
         raise UsageError(f"--prof {args.prof} with --prof-steps {args.prof_steps} needs {needed} training "
@@ -161,22 +186,25 @@ def check_enough_steps(args, data):
                          "lower --prof or raise --epochs")
 
 
-def train_window(args, accelerator, recipe, phases, log):
-    """Build data and model as train.py does, train until the window is done; return peak bytes."""
+def train_window(args, accelerator, plan, device, phases, log):
+    """Build data and model as train.py does, train until the window is done; return peak bytes.
+    device: the flags this device settled (utils.device.DeviceSettings)."""
     if accelerator.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(accelerator.device)
-    data = build_data(args, accelerator)
+    data = build_data(data_spec(args, backend=device.data_backend, jpeg_decoder=device.jpeg_decoder,
+                                channels_last=device.channels_last), accelerator)
     num_classes = args.num_classes or data.num_classes
-    model, optimizer, precision, _, _ = build_or_resume(args, accelerator, recipe, num_classes)
-    check_enough_steps(args, data)  # after --resume moved args.start_epoch
-    criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
+    specs = training_specs(args, channels_last=device.channels_last, compile=device.compile, only_sgd=True)
+    state, start = build_or_resume(specs, accelerator, plan, num_classes)
+    check_enough_steps(args, data, start.epoch)
+    loop = training_loop(args, torch.nn.CrossEntropyLoss().to(accelerator.device))
     time_data_wait(data.train, phases)
-    for epoch, first_step in training_epochs(args, data, accelerator):
-        trained = train_one_epoch(model, data, optimizer, precision, accelerator, epoch, args, criterion, phases,
-                                  log, first_step=first_step)
+    watch = Watch(log=log, phases=phases)
+    for epoch, first_step in training_epochs(data, args.epochs, start.epoch, start.step):
+        trained = train_one_epoch(state, data, epoch, loop, watch, first_step=first_step)
         if trained.diverged:  # no window to report: exit 3 with the step, as train.py does
-            raise Diverged(diverged_message(trained.diverged, epoch, trained.step, steps_per_epoch(data, args),
-                                            trained.lr, args.resume or None))
+            raise Diverged(diverged_message(trained.diverged, epoch, trained.step,
+                                            loop.steps_per_epoch(len(data.train)), trained.lr, args.resume or None))
         if phases.finished:
             break
     if accelerator.device.type == "cuda":
@@ -193,8 +221,9 @@ def trace_path(args, accelerator):
 
 
 def run_profile(args):
-    accelerator, recipe, notes = make_accelerator(args)
-    for note in notes:
+    accelerator, plan, notes = make_accelerator(precision_flags(args), args.deterministic)
+    device = device_settings(args, accelerator.device.type)
+    for note in notes + [device.note] * bool(device.note):
         warn(accelerator, note)
     skipped = cuda_parts_skipped()
     if skipped:
@@ -203,13 +232,13 @@ def run_profile(args):
     last = args.prof + args.prof_steps - 1
     log(f"=> profile.py: {args.arch} | {accelerator.num_processes} process(es) on "
         f"{accelerator.device.type} | {args.prof} warm-up steps, then window steps {args.prof}-{last}")
-    log(recipe.describe())
-    log(args.input_line)
+    log(plan.describe())
+    log(device.input_line)
     phases = PhaseProfiler(args.prof, args.prof_steps, trace_path=trace_path(args, accelerator))
-    peak = train_window(args, accelerator, recipe, phases, log)
+    peak = train_window(args, accelerator, plan, device, phases, log)
     log(f"=> ran {phases.iteration} steps; window steps {args.prof}-{last} done")
     images_per_step = args.batch_size * accelerator.num_processes
-    log(format_phase_table(phases.times, images_per_step, peak, recipe.describe(), skipped))
+    log(format_phase_table(phases.times, images_per_step, peak, plan.describe(), skipped))
     if phases.trace_path:
         log(f"=> trace of the window written to {phases.trace_path}")
     accelerator.end_training()
@@ -231,20 +260,21 @@ def run_benchmark(args):
     for level, channels_last in benchmark_configs(args):
         config = argparse.Namespace(**vars(args))
         config.opt_level, config.channels_last = level, channels_last
-        accelerator, recipe, notes = make_accelerator(config)
-        for note in notes:
+        accelerator, plan, notes = make_accelerator(precision_flags(config), config.deterministic)
+        device = device_settings(config, accelerator.device.type)
+        for note in notes + [device.note] * bool(device.note):
             if note not in seen_notes:
                 seen_notes.add(note)
                 warn(accelerator, f"{level}: {note}")
         if skipped and not rows:
             warn(accelerator, f"no CUDA: skipping {skipped}; steps are timed with the wall clock")
-        row = BenchmarkRow(level, "fp32" if recipe.dtype_name == "no" else recipe.dtype_name, channels_last,
+        row = BenchmarkRow(level, "fp32" if plan.dtype_name == "no" else plan.dtype_name, channels_last,
                            args.batch_size * accelerator.num_processes,
                            extra={"arch": args.arch, "image_size": args.image_size,
                                   "device": device_name(accelerator)})
         phases = PhaseProfiler(args.prof, args.prof_steps, nvtx=False)
         try:
-            row.peak_bytes = train_window(config, accelerator, recipe, phases, log=lambda *a, **k: None)
+            row.peak_bytes = train_window(config, accelerator, plan, device, phases, log=lambda *a, **k: None)
             row.times = phases.times
         except torch.OutOfMemoryError:
             row.note = "out of memory"

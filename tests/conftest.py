@@ -111,12 +111,13 @@ def run_command(command, env=None, cwd=None, timeout=TIMEOUT):
 
 def leave_together(code=0):
     """End a rank of a probe run under torchrun: every rank waits for the others, then exits
-    without the process group's C++ teardown (utils.errors.leave, as the scripts do). A rank
+    without the process group's C++ teardown (utils.run.errors.leave, as the scripts do). A rank
     leaving while gloo's threads still served another aborted it ("terminate called without an
     active exception"), even after a barrier and Accelerator.end_training (CI, 2026-12-04).
     Whatever the probe wrote must be closed before."""
     import torch.distributed as dist
-    from utils.errors import leave
+
+    from utils.run.errors import leave
     dist.barrier()
     leave(code)
 
@@ -131,3 +132,20 @@ def accelerator():
     """One Accelerator for the whole session: Accelerate allows one state per process."""
     from accelerate import Accelerator
     return Accelerator(mixed_precision="no")
+
+
+def build_sgd(params, lr, momentum, weight_decay):
+    """A test's optimizer: fused SGD (it honours the on-device found_inf flag), with momentum
+    buffers made up front.
+
+    The fused kernel starts a momentum buffer from the first grad it applies; if that first step
+    is an overflow skip, the buffer would be left uninitialised. Zero buffers are equivalent
+    (momentum*0 + grad) and keep a skipped first step harmless.
+    """
+    import torch  # conftest stays import-light: torch only where a test builds an optimizer
+
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, fused=True)
+    if momentum:
+        for param in params:
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return optimizer

@@ -8,16 +8,17 @@ import argparse
 
 import pytest
 import torch
-from PIL import Image
-
 from conftest import QUICK, run_script
+from PIL import Image
 from test_train import usage_error  # noqa: F401  (fixture)
-from utils.batches import SeededSamples, train_transform
-from utils.crops import TrainBoxes
-from utils.data import image_folder
-from utils.gpu_batches import ByteSamples
-from utils.image_files import rgb_pixels
-from utils.setup import resolve_device_defaults
+
+from utils.data.batches import SeededSamples
+from utils.data.crops import TrainBoxes, train_transform, val_transform
+from utils.data.folder import image_folder
+from utils.data.gpu.packing import ByteSamples
+from utils.data.image_files import rgb_pixels
+from utils.data.sources import DataSpec
+from utils.flags.specs import device_settings
 
 
 def test_both_backends_draw_the_same_box_for_every_sample(tiny_folder):
@@ -50,15 +51,15 @@ def test_starting_an_epoch_sets_the_workers_going_on_its_first_batches(tiny_fold
     import functools
     import time
     from types import SimpleNamespace
-    from utils.batches import sharded_data, val_transform
+
+    from utils.data.batches import sharded_data
     log_path = tmp_path / "opened.txt"
     train_set = image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5))
     train_set.loader = functools.partial(logged_rgb_pixels, str(log_path))
     val_set = image_folder(tiny_folder, "val", val_transform(24, 0.875))
-    args = SimpleNamespace(aa="none", data_backend="cpu", batch_size=4, seed=3, workers=1, channels_last=False,
-                           image_size=24, interpolation="bilinear")
+    spec = DataSpec(data=None, batch_size=4, workers=1, seed=3, image_size=24, mean=(0.5,) * 3, std=(0.5,) * 3)
     accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
-    data = sharded_data(train_set, val_set, 3, args, accel, (0.5,) * 3, (0.5,) * 3)
+    data = sharded_data(train_set, val_set, 3, spec, accel)
     batches = data.start_epoch(2)
     deadline = time.monotonic() + 120  # waits for the worker; no speed is asserted
     while len(log_path.read_text().splitlines() if log_path.exists() else []) < 4 and time.monotonic() < deadline:
@@ -77,13 +78,13 @@ def test_starting_an_epoch_forks_the_val_workers_first_and_validation_uses_them(
     epoch's batches: forking beside the gpu backend's decode threads hung a CUDA run. The
     validation that follows reads that started iterator; later ones start their own."""
     from types import SimpleNamespace
-    from utils.batches import sharded_data, val_transform
+
+    from utils.data.batches import sharded_data
     train_set = image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5))
     val_set = image_folder(tiny_folder, "val", val_transform(24, 0.875))
-    args = SimpleNamespace(aa="none", data_backend="cpu", batch_size=4, seed=3, workers=1, channels_last=False,
-                           image_size=24, interpolation="bilinear")
+    spec = DataSpec(data=None, batch_size=4, workers=1, seed=3, image_size=24, mean=(0.5,) * 3, std=(0.5,) * 3)
     accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
-    data = sharded_data(train_set, val_set, 3, args, accel, (0.5,) * 3, (0.5,) * 3)
+    data = sharded_data(train_set, val_set, 3, spec, accel)
     val_loader = data.val.loader
     assert val_loader._iterator is None  # no val workers before the first epoch ends
     batches = data.start_epoch(1)
@@ -105,7 +106,8 @@ def test_gpu_batches_start_their_loader_and_hand_over_in_the_callers_thread():
     batch is handed over (ordered with the step's stream) in that thread too, as it is taken."""
     import threading
     from types import SimpleNamespace
-    from utils.gpu_batches import GpuBatches
+
+    from utils.data.gpu.pipeline import GpuBatches
 
     class Recorded:
         def __init__(self):
@@ -136,10 +138,10 @@ def test_gpu_batches_start_their_loader_and_hand_over_in_the_callers_thread():
 
 
 def resolved(device_type, **flags):
-    args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False)
+    args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False,
+                              compile_mode="default", jpeg_decoder="auto", deterministic=False)
     vars(args).update(flags)
-    resolve_device_defaults(args, device_type)
-    return args
+    return device_settings(args, device_type)
 
 
 def test_auto_picks_by_device_and_source():
@@ -149,6 +151,29 @@ def test_auto_picks_by_device_and_source():
     assert resolved("cuda", data="synthetic").data_backend == "none"
     line = resolved("cuda").input_line
     assert "gpu backend" in line and "channels_last on" in line
+
+
+def test_choose_backend_says_what_it_chose_and_refuses_what_cannot_run(monkeypatch):
+    from utils.data.backend import InputBackend, choose_backend
+    from utils.run.errors import UsageError
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    gpu = choose_backend("imagefolder", "auto", "auto", "cuda")
+    assert (gpu.backend, gpu.jpeg_decoder) == ("gpu", "cuda")
+    assert gpu.line == ("=> input: gpu backend (nvJPEG batch decode + crops on the GPU; jpeg decoder cuda, "
+                        "auto: nvJPEG measured faster in training), auto: ImageFolder data on CUDA")
+    assert choose_backend("imagefolder", "auto", "auto", "cpu") == InputBackend(
+        "cpu", "auto", "=> input: cpu backend (decode + crops in workers), auto: no CUDA")
+    assert choose_backend("datasets", "auto", "auto", "cuda").line.endswith(
+        ", auto: Hugging Face datasets are decoded in the workers")
+    assert choose_backend("synthetic", "auto", "auto", "cuda").line == (
+        "=> input: none backend, synthetic tensors are made on the device")
+    for call, words in [(("imagefolder", "gpu", "auto", "cpu"), "no CUDA device"),
+                        (("datasets", "gpu", "auto", "cuda"), "reads ImageFolder files"),
+                        (("synthetic", "cpu", "auto", "cuda"), "synthetic data has no input pipeline"),
+                        (("imagefolder", "cpu", "cuda", "cuda"), "--jpeg-decoder cuda applies to the gpu")]:
+        with pytest.raises(UsageError, match=words):
+            choose_backend(*call)
 
 
 def test_channels_last_defaults_on_for_convolutions_on_cuda_only():

@@ -1,4 +1,4 @@
-"""tools/benchmark_input.py: which Speed figure it takes from a real train.py log, a whole run of
+"""bench/benchmark_input.py: which Speed figure it takes from a real train.py log, a whole run of
 the tool, and its refusals."""
 import csv
 import os
@@ -7,11 +7,11 @@ import shutil
 import socket
 
 import torch
-
 from conftest import QUICK, ROOT, run_script
-from tools.benchmark_input import APEX_SPEED, PLAIN_NAME, epoch_average, medians, second_half_rate
 
-TOOL = "tools/benchmark_input.py"
+from bench.benchmark_input import APEX_SPEED, PLAIN_NAME, epoch_average, medians, second_half_rate
+
+TOOL = "bench/benchmark_input.py"
 
 
 def test_the_figure_is_the_last_epochs_final_average(tmp_path):

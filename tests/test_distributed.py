@@ -109,18 +109,18 @@ def test_sync_bn_says_why_it_is_off_on_cpu(two_proc_run):
 
 
 def test_sync_bn_is_explained_wherever_it_is_off(capsys):
-    from utils.setup import want_sync_bn
+    from utils.device import want_sync_bn
 
     def accelerator(device, processes):
         return SimpleNamespace(device=SimpleNamespace(type=device), num_processes=processes, is_main_process=True)
 
     args = SimpleNamespace(sync_bn=True)
-    assert not want_sync_bn(args, accelerator("cpu", 2))
+    assert not want_sync_bn(args.sync_bn, accelerator("cpu", 2))
     assert "SyncBatchNorm needs CUDA devices (this run is on cpu)" in capsys.readouterr().err
-    assert not want_sync_bn(args, accelerator("cuda", 1))
+    assert not want_sync_bn(args.sync_bn, accelerator("cuda", 1))
     assert "only one process" in capsys.readouterr().err
-    assert want_sync_bn(args, accelerator("cuda", 2))
-    assert not want_sync_bn(SimpleNamespace(sync_bn=False), accelerator("cuda", 2))
+    assert want_sync_bn(args.sync_bn, accelerator("cuda", 2))
+    assert not want_sync_bn(False, accelerator("cuda", 2))
     assert capsys.readouterr().err == ""
 
 
@@ -131,10 +131,11 @@ def test_sync_bn_layers_follow_the_recipe(level, keep_bn, bn_dtype):
     BatchNorm to the O2/O3 cast: fp32 with half inputs at O2, as --keep-batchnorm-fp32 says at O3."""
     import torch
     import torchvision
-    from utils.precision import Precision, resolve_recipe
+
+    from utils.precision import Precision, resolve_precision
 
     model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18(num_classes=10))
-    recipe, _ = resolve_recipe(level, keep_bn, None, "bf16", "--mixed-precision")
+    recipe, _ = resolve_precision(level, keep_bn, None, "bf16", "--mixed-precision")
     precision = Precision(recipe, model, "cpu")
     sync = [m for m in model.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
     assert len(sync) == 20
@@ -178,7 +179,7 @@ def test_ranks_hold_identical_weights_and_disjoint_samples(cache_dir, tmp_path):
     fp32 masters and (after validate) BatchNorm statistics; ranks draw disjoint samples that
     make up exactly the batches a 1-process run with the global batch would draw. (HALF_TINY:
     bf16 on a CPU, conftest.py.)"""
-    from utils.batches import ShardedEpochSampler
+    from utils.data.batches import ShardedEpochSampler
 
     out = tmp_path / "probe.json"
     ok(torchrun(__file__, "probe", out, *HALF_TINY, "-b", "8", "--steps-per-epoch", "3", "--epochs", "1",
@@ -205,7 +206,7 @@ def test_ranks_hold_identical_weights_and_disjoint_samples(cache_dir, tmp_path):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_sampler_never_repeats_a_sample_in_an_epoch(world):
-    from utils.batches import ShardedEpochSampler
+    from utils.data.batches import ShardedEpochSampler
 
     size, batch = 1000, 16
     shards = []
@@ -310,8 +311,8 @@ def test_a_gpu_config_where_cuda_is_missing_is_refused_before_anything_is_writte
 
 
 def test_processes_accelerate_joined_pass_and_others_name_the_cause(monkeypatch):
-    from utils.errors import UsageError
-    from utils.setup import check_processes_joined
+    from utils.device import check_processes_joined
+    from utils.run.errors import UsageError
     monkeypatch.setenv("WORLD_SIZE", "4")
     check_processes_joined(4)  # torchrun's 4 processes in one run: nothing to say
     monkeypatch.delenv("WORLD_SIZE")
@@ -331,9 +332,10 @@ def test_processes_accelerate_joined_pass_and_others_name_the_cause(monkeypatch)
 def test_more_processes_on_a_node_than_gpus_are_refused(monkeypatch):
     """8gpu.yaml on a 2-GPU machine: Accelerate would put 4 processes on each GPU, which NCCL
     refuses only later and obscurely. (The GPUs are pretended here; the real launch is below.)"""
-    from utils.errors import UsageError
-    from utils.setup import check_gpus_per_node
     import torch
+
+    from utils.device import check_gpus_per_node
+    from utils.run.errors import UsageError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
@@ -389,24 +391,32 @@ def probe(out_path, argv):
     import torch
     import torch.distributed as dist
 
-    from utils.cli import build_parser
-    from utils.data import build_data
-    from utils.engine import train_one_epoch, validate
-    from utils.setup import build_training_state, make_accelerator, parse_args
+    from utils.data.sources import build_data
+    from utils.device import make_accelerator
+    from utils.engine import Watch, train_one_epoch, validate
+    from utils.flags.parser import build_parser
+    from utils.flags.precedence import parse_args
+    from utils.flags.specs import data_spec, device_settings, precision_flags, training_loop, training_specs
+    from utils.training_state import build_training_state
 
     args = parse_args(build_parser("probe"), argv)
-    accelerator, recipe, _ = make_accelerator(args)
-    data = build_data(args, accelerator)
-    model, optimizer, precision = build_training_state(args, accelerator, recipe, data.num_classes)
+    accelerator, plan, _ = make_accelerator(precision_flags(args), args.deterministic)
+    device = device_settings(args, accelerator.device.type)
+    data = build_data(data_spec(args, backend=device.data_backend, jpeg_decoder=device.jpeg_decoder,
+                                channels_last=device.channels_last), accelerator)
+    model_spec, optimizer_spec, _ = training_specs(args, channels_last=device.channels_last, compile=device.compile)
+    state = build_training_state(model_spec, optimizer_spec, accelerator, plan, data.num_classes)
+    model, optimizer, precision = state.model, state.optimizer, state.precision
     criterion = torch.nn.CrossEntropyLoss()
     data.set_epoch(0)
     seen = [index for index, _ in data.train_sampler]  # what this rank's loader draws in epoch 0
-    quiet = lambda *_: None
-    train_one_epoch(model, data, optimizer, precision, accelerator, 0, args, criterion, log=quiet)
+    quiet = Watch(log=lambda *_: None)
+    train_one_epoch(state, data, 0, training_loop(args, criterion), quiet)
     module = accelerator.unwrap_model(model)
     params = _digest(module.parameters())
     masters = _digest(precision.master_of.values())
-    result = validate(model, data, precision, accelerator, args, criterion, log=quiet)
+    result = validate(model, data, precision, accelerator, print_freq=args.print_freq, criterion=criterion,
+                      watch=quiet)
     report = {"params": params, "masters": masters, "buffers_after_val": _digest(module.buffers()),
               "seen": seen}
     gathered = [None] * dist.get_world_size()

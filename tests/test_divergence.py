@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import HALF_TINY, TINY, run_script
 from test_precision import setup, snapshot, train_step
 

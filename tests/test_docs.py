@@ -1,30 +1,52 @@
-"""The documentation: every flag of every script in the README, every docs/ path and link real."""
+"""The documentation: docs/flags.md is the scripts' --help, every docs/ path and link is real."""
+import importlib.util
 import os
 import re
 import subprocess
 
 import pytest
-
 from conftest import ROOT
 
 
-def option_strings(script):
-    """Long option names of a script's parser, read from its --help output."""
-    from conftest import run_script
-    result = run_script(script, "--help")
-    assert result.returncode == 0, result.stderr
-    return result.stdout, sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]+)", result.stdout)) - {"--help"})
+def load_make_flags():
+    """docs/make_flags.py as a module (docs/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("make_flags", os.path.join(ROOT, "docs", "make_flags.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def make_flags():
+    return load_make_flags()
+
+
+@pytest.fixture(scope="module")
+def help_texts(make_flags):
+    """Each script's --help, run once for the tests below."""
+    try:
+        return make_flags.help_texts()
+    except SystemExit as err:  # a script whose --help fails: its message, not a bare exit
+        pytest.fail(str(err))
+
+
+def test_flags_md_is_what_make_flags_writes(make_flags, help_texts):
+    with open(make_flags.FLAGS_MD, encoding="utf-8") as handle:
+        written = handle.read()
+    assert written == make_flags.render(help_texts), \
+        "docs/flags.md is out of date: run python docs/make_flags.py"
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "profile.py"])
-def test_readme_lists_every_flag(script):
-    if not os.path.exists(os.path.join(ROOT, script)):
-        pytest.fail(f"{script} is missing")
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    _, flags = option_strings(script)
+def test_flags_md_lists_every_flag(script, help_texts):
+    flags = sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]+)", help_texts[script])) - {"--help"})
     assert flags, "no flags parsed from --help"
-    missing = [flag for flag in flags if f"`{flag}" not in readme]
-    assert not missing, f"README does not document {missing}"
+    with open(os.path.join(ROOT, "docs", "flags.md"), encoding="utf-8") as handle:
+        section = handle.read().split(f"\n## {script}\n", 1)
+    assert len(section) == 2, f"docs/flags.md has no section for {script}"
+    section = section[1].split("\n## ", 1)[0]
+    missing = [flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", section)]
+    assert not missing, f"docs/flags.md's {script} section lacks {missing}: run python docs/make_flags.py"
 
 
 # docs/ paths as the repo spells them in prose, code and comments; not inside a URL or longer name.

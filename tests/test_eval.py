@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, make_image_folder, run_command, run_script
-from utils.checkpoint import save_checkpoint
-from utils.errors import UsageError, exit_on_usage_error
+
+from utils.run.checkpoint import save_checkpoint
+from utils.run.errors import UsageError, exit_on_usage_error
 
 FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 EVAL_TAIL = re.compile(r" \* Loss ([\d.]+) Images (\d+) Speed ([\d.]+) images/s")
@@ -162,7 +162,7 @@ def test_mixed_precision_no_evaluates_a_half_checkpoint_in_fp32(tmp_path):
     """--mixed-precision no on an O2 bf16 checkpoint was refused as contradicting --opt-level O2,
     which only the checkpoint named; it evaluates at O0, the checkpoint's keep-BN choice dropped."""
     import eval as eval_script
-    from utils.precision import resolve_recipe
+    from utils.precision import resolve_precision
     state = {"epoch": 1, "arch": "resnet18", "opt_level": "O2", "mixed_precision": "bf16",
              "state_dict": {"fc.weight": torch.zeros(3, 512)},
              "args": {"opt_level": "O2", "keep_batchnorm_fp32": False, "mixed_precision": "bf16"}}
@@ -170,7 +170,7 @@ def test_mixed_precision_no_evaluates_a_half_checkpoint_in_fp32(tmp_path):
     args, _ = eval_script.parse_eval_args(["--resume", str(tmp_path / "checkpoint.pth.tar"),
                                            "--mixed-precision", "no"])
     assert (args.opt_level, args.keep_batchnorm_fp32, args.mixed_precision) == ("O0", None, "no")
-    recipe, notes = resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, None, "no", "--mixed-precision")
+    recipe, notes = resolve_precision(args.opt_level, args.keep_batchnorm_fp32, None, "no", "--mixed-precision")
     assert recipe.opt_level == "O0" and notes == []
 
 
@@ -212,9 +212,9 @@ def test_error_end_to_end_exits_2_without_traceback(trained, tmp_path):
 def test_flags_typed_are_found_in_one_parse():
     """What the user typed, also when it equals the default; DATA only when given."""
     script = importlib.import_module("eval")
-    typed, resume = script.typed_flags(["--resume", "c.pth.tar", "-p", "10", "--channels-last", "-b=16"])
-    assert (typed, resume) == ({"resume", "print_freq", "channels_last", "batch_size"}, "c.pth.tar")
-    assert script.typed_flags(["somewhere", "--deterministic"])[0] == {"data", "deterministic"}
+    typed = script.typed_flags(["--resume", "c.pth.tar", "-p", "10", "--channels-last", "-b=16"])
+    assert (set(typed), typed["resume"]) == ({"resume", "print_freq", "channels_last", "batch_size"}, "c.pth.tar")
+    assert set(script.typed_flags(["somewhere", "--deterministic"])) == {"data", "deterministic"}
 
 
 def test_help_lists_eval_flags_with_defaults_and_no_training_ones():
@@ -395,7 +395,7 @@ def test_results_and_predictions_in_one_file_are_refused(wide_adamw, tmp_path):
 def test_a_checkpoint_names_its_data_folder_absolutely(tmp_path, monkeypatch):
     """DATA typed as a relative folder is stored absolute, so eval.py run from elsewhere reads
     the same folder, not a namesake in its own working directory."""
-    from utils.cli import absolute_data
+    from utils.data.sources import absolute_data
     (tmp_path / "fake").mkdir()
     monkeypatch.chdir(tmp_path)
     assert absolute_data("fake") == str(tmp_path / "fake")

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import HALF_ARCH, HALF_QUICK, ROOT, make_image_folder, run_command, run_script
-from utils.checkpoint import save_checkpoint
+
+from utils.run.checkpoint import save_checkpoint
 
 TOOL = os.path.join(ROOT, "tools", "export_safetensors.py")
 CPU = {"ACCELERATE_USE_CPU": "1"}

@@ -3,19 +3,19 @@ import re
 
 import pytest
 import torch
-
-from conftest import FINAL, QUICK, run_script
+from conftest import FINAL, QUICK, build_sgd, run_script
 from test_precision import TinyNet, train_step
 from test_train import losses
+
 from utils.compiled import compile_model, plain_module
-from utils.precision import Precision, build_sgd, resolve_recipe
+from utils.precision import Precision, resolve_precision
 
 pytestmark = pytest.mark.gpu
 
 
 
 def cuda_setup(level, keep_bn=None, loss_scale=None, channels_last=False):
-    recipe, _ = resolve_recipe(level, keep_bn, loss_scale, "fp16", None)
+    recipe, _ = resolve_precision(level, keep_bn, loss_scale, "fp16", None)
     torch.manual_seed(0)
     model = TinyNet().cuda()
     if channels_last:
@@ -90,7 +90,7 @@ def test_deterministic_gpu_runs_repeat_and_resume_exactly(cache_dir, tmp_path):
 def test_bf16_levels_with_loss_scale_on_cuda(accelerator, level):
     """bf16 grads with a loss scale (O3's default static 1.0): torch's fused unscale kernel has
     no bf16 CUDA version, so the portable path must take over."""
-    recipe, _ = resolve_recipe(level, None, 1.0, "bf16", None)
+    recipe, _ = resolve_precision(level, None, 1.0, "bf16", None)
     torch.manual_seed(0)
     model = TinyNet().cuda()
     precision = Precision(recipe, model, "cuda")
@@ -146,7 +146,7 @@ def compiled_training(accelerator, level, dtype_name, device="cuda", steps=6):
     """TinyNet built the way train.py builds its model (Precision, Accelerate's prepare, then the
     project's compile_model) and trained `steps` steps on one fixed batch, which it should learn.
     Returns the compiled model, its weights before training, the losses and the log lines."""
-    recipe, _ = resolve_recipe(level, None, None, dtype_name, "--mixed-precision")
+    recipe, _ = resolve_precision(level, None, None, dtype_name, "--mixed-precision")
     torch.manual_seed(0)
     model = TinyNet().to(device)
     precision = Precision(recipe, model, device)

@@ -12,7 +12,6 @@ tools/opt_level_sweep.py (so the accuracy sweep itself runs on the GPU too).
 import csv
 
 import pytest
-
 from conftest import run_script
 
 pytestmark = pytest.mark.gpu

@@ -6,16 +6,17 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import run_command
 from PIL import Image
 from torchvision import transforms
+from torchvision.transforms import functional as F
 
-from conftest import run_command
-from utils.crops import CenterBoxes, CpuTrainCrop, TrainBoxes, center_box, train_box
-from utils.errors import UsageError
-from utils.gpu_batches import (ByteSamples, GpuBatchDecoder, GpuBatches, Packed, _canvas, pack_bytes, reference_crop,
-                               resample_batch, unpack)
-from utils.batches import rgb_loader
-from utils.image_files import GPU, jpeg_route, pil_rgb, rgb_pixels
+from utils.data.crops import CenterBoxes, CpuTrainCrop, TrainBoxes, center_box, train_box, val_transform
+from utils.data.gpu.packing import ByteSamples, Packed, pack_bytes, unpack
+from utils.data.gpu.pipeline import GpuBatchDecoder, GpuBatches
+from utils.data.gpu.resample import _canvas, resample_batch
+from utils.data.image_files import GPU, jpeg_route, pil_rgb, rgb_loader, rgb_pixels
+from utils.run.errors import UsageError
 
 SIZE = 64
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -31,6 +32,22 @@ def photo(width=160, height=120, seed=0):
                      128 + 60 * np.sin((xx + yy) / 11.0)], -1)
     grain = rng.normal(0, 20, (height, width, 1)) + rng.normal(0, 4, base.shape)
     return Image.fromarray(np.clip(base + grain, 0, 255).astype(np.uint8))
+
+
+def reference_crop(picture, box, size, train=True, interpolation="bilinear"):
+    """One image through torchvision's tensor transforms (antialiased): the per-image path the
+    batched resample_batch is checked against. Returns uint8 (3, size, size)."""
+    top, left, height, width, flip = box
+    mode = transforms.InterpolationMode(interpolation)
+    if train:
+        out = F.resized_crop(picture, int(top), int(left), int(height), int(width), [size, size],
+                             interpolation=mode, antialias=True)
+    else:
+        full_h, full_w = picture.shape[-2:]
+        new_h, new_w = round(full_h * size / height), round(full_w * size / width)
+        out = F.resize(picture, [new_h, new_w], interpolation=mode, antialias=True)
+        out = F.crop(out, round(top * new_h / full_h), round(left * new_w / full_w), size, size)
+    return F.hflip(out) if flip else out
 
 
 def encode(image, **options):
@@ -228,7 +245,7 @@ def test_triton_canvas_kernel_in_the_interpreter():
     switch is read when the kernel is defined): regions in place, zeros beyond them."""
     printed = in_triton_interpreter(
         "from test_gpu_batches import canvas_case, check_canvas",
-        "from utils.canvas_kernel import region_canvas, region_table",
+        "from utils.data.gpu.canvas_kernel import region_canvas, region_table",
         "import torch",
         "pictures, regions, tall, wide = canvas_case()",
         "canvas = region_canvas(region_table(pictures, regions), tall, wide, torch.float32)",
@@ -239,8 +256,8 @@ def test_triton_canvas_kernel_in_the_interpreter():
 
 @pytest.mark.gpu
 def test_triton_canvas_on_the_gpu_matches_the_torch_canvas():
-    from utils.canvas_kernel import region_canvas, region_table
-    from utils.gpu_batches import _torch_canvas
+    from utils.data.gpu.canvas_kernel import region_canvas, region_table
+    from utils.data.gpu.resample import _torch_canvas
     pictures, regions, tall, wide = canvas_case()
     pictures = [picture.cuda() for picture in pictures]
     canvas = region_canvas(region_table(pictures, regions).cuda(), tall, wide, torch.float16)
@@ -287,7 +304,7 @@ def test_triton_normalise_kernel_in_the_interpreter():
     interpreter on CPU tensors: bit for bit the torch ops' result, in both layouts."""
     printed = in_triton_interpreter(
         "from test_gpu_batches import check_normalise_into",
-        "from utils.canvas_kernel import normalise_into",
+        "from utils.data.gpu.canvas_kernel import normalise_into",
         "check_normalise_into(normalise_into, 'cpu')",
         "print('normalise ok')")
     assert "normalise ok" in printed
@@ -295,7 +312,7 @@ def test_triton_normalise_kernel_in_the_interpreter():
 
 @pytest.mark.gpu
 def test_triton_normalise_on_the_gpu_matches_the_torch_ops():
-    from utils.canvas_kernel import normalise_into
+    from utils.data.gpu.canvas_kernel import normalise_into
     check_normalise_into(normalise_into, "cuda")
 
 
@@ -422,8 +439,7 @@ def test_an_image_pil_refuses_as_a_decompression_bomb_is_a_usage_error_naming_it
     """PIL refuses at open an image over twice Image.MAX_IMAGE_PIXELS with DecompressionBombError,
     which is no OSError: every reader (cpu train crop, val loader, gpu backend's workers) must still
     name the file in the one-line error, not end the run with a worker's traceback."""
-    from utils.data import image_folder
-    from utils.batches import val_transform
+    from utils.data.folder import image_folder
     folder = tmp_path / "val" / "a"
     folder.mkdir(parents=True)
     big = folder / "huge.png"
@@ -568,9 +584,9 @@ def gpu_decoder(dataset, jpeg_decoder, train=True, size=SIZE):
 @pytest.mark.gpu
 @pytest.mark.parametrize("train", [True, False], ids=["train", "val"])
 def test_gpu_finish_in_one_kernel_equals_the_torch_ops(mixed_folder, train):
-    """The decoder's last pass (utils.canvas_kernel.normalise_into per chunk) gives bit for bit
+    """The decoder's last pass (utils.data.gpu.canvas_kernel.normalise_into per chunk) gives bit for bit
     what resample_batch and the torch normalisation give, for a batch split into several chunks."""
-    from utils.gpu_batches import resample_batch
+    from utils.data.gpu.resample import resample_batch
     boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
     dataset = ByteSamples(mixed_folder, boxes)
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
@@ -671,7 +687,7 @@ def test_gpu_threads_hand_over_the_decoders_batches_under_queued_work(mixed_fold
 def test_spares_are_paired_so_that_fewest_must_grow():
     """Each picture gets a spare image of its own, and no other pairing leaves fewer pictures
     larger than their spare (each of those costs a free and an allocation on the GPU)."""
-    from utils.gpu_batches import pair_by_size
+    from utils.data.gpu.decoders import pair_by_size
     assert pair_by_size([5, 1, 3], [2, 9, 4, 7]) == [3, 0, 2]
     assert pair_by_size([100, 50], [60, 40]) == [1, 0]
     assert pair_by_size([], [4, 2]) == []
@@ -693,7 +709,7 @@ def test_hardware_decoder_reuses_retired_images_and_gives_the_same_pixels(mixed_
     equals its decode by a fresh decoder although each call sees the files in another order (so a
     buffer is reused for pictures of other sizes)."""
     pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec (optional) not installed")
-    from utils.gpu_batches import HardwareJpeg
+    from utils.data.gpu.decoders import HardwareJpeg
     payloads = [torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8) for path, _ in mixed_folder]
     payloads = [payload for payload in payloads if jpeg_route(payload.numpy().tobytes()) == GPU]
     stream = torch.cuda.Stream()
@@ -718,7 +734,7 @@ def test_jpeg_decoder_is_settled_on_cuda():
     """auto: cuda, with the reason, and under --deterministic hardware where nvImageCodec finds
     JPEG engines; cuda asked for is kept; hardware asked for without nvImageCodec is a usage error
     naming what is missing."""
-    from utils.gpu_batches import settle_jpeg_decoder
+    from utils.data.gpu.decoders import settle_jpeg_decoder
     assert settle_jpeg_decoder("auto", "cuda") == ("cuda", "auto: nvJPEG measured faster in training")
     assert settle_jpeg_decoder("cuda", "cuda") == ("cuda", "--jpeg-decoder")
     try:

@@ -10,13 +10,14 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import make_image_folder, run_command, run_script
 from PIL import Image as PILImage
 
-from conftest import make_image_folder, run_command, run_script
-from utils.cli import build_parser
-from utils.data import build_data
-from utils.errors import UsageError
-from utils.setup import parse_args
+from utils.data.sources import build_data
+from utils.flags.parser import build_parser
+from utils.flags.precedence import parse_args
+from utils.flags.specs import data_spec
+from utils.run.errors import UsageError
 
 datasets = pytest.importorskip("datasets")
 QUICK = ["--image-size", "24", "-b", "4", "-j", "0"]
@@ -60,7 +61,8 @@ def loaders(data_arg, *flags, train=True, accelerator=None):
     from accelerate import Accelerator
 
     args = parse_args(build_parser("t"), [data_arg, *QUICK, *flags])
-    return build_data(args, accelerator or Accelerator(cpu=True), train=train)
+    spec = data_spec(args, backend="cpu", jpeg_decoder="auto", channels_last=False)  # as a CPU run settles them
+    return build_data(spec, accelerator or Accelerator(cpu=True), train=train)
 
 
 def batches(loader):
@@ -122,7 +124,7 @@ def cache_as_hub_download(folder, cache, repo_id):
 def test_hub_dataset_from_the_local_cache_never_touches_the_network(tmp_path, hf_cache, monkeypatch):
     from huggingface_hub import constants
 
-    from utils.hf_data import load_splits
+    from utils.data.hf import load_splits
 
     folder = make_image_folder(tmp_path / "folder", classes=2, per_class=3)
     cache_as_hub_download(folder, hf_cache, "someone/tiny-images")
@@ -237,7 +239,7 @@ def test_without_the_datasets_package_other_sources_still_run(tmp_path):
             "import train\n"
             f"train.main([{folder!r}, '--epochs', '1', '-j', '0', '-b', '4', '--image-size', '16', "
             f"'--output-dir', {str(tmp_path / 'out')!r}])\n"
-            "from utils.errors import UsageError\n"
+            "from utils.run.errors import UsageError\n"
             "try:\n"
             f"    train.main(['hf:{folder}', '-j', '0'])\n"
             "except UsageError as err:\n"

@@ -1,18 +1,20 @@
-"""The recipe ingredients wired into the loop (utils/recipe.py through utils/engine.py, utils/
+"""The training ingredients wired into the loop (utils/ingredients.py through utils/engine.py, utils/
 precision.py and train.py): each test asserts the ingredient's effect, on CPU, on tiny runs."""
 import re
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import FINAL, QUICK, run_script
 from test_train import usage_error  # noqa: F401  (the in-process refusal fixture)
-from utils.engine import train_one_epoch
-from utils.errors import UsageError
-from utils.precision import Precision, clip_grad_norm_fp32, resolve_recipe
-from utils.recipe import BatchAugment, build_criterion, build_mixup, build_optimizer
+from torch import nn
+
+from utils.engine import Watch, train_one_epoch
+from utils.flags.specs import training_loop, training_specs
+from utils.ingredients import BatchAugment, build_criterion, build_mixup, build_optimizer
+from utils.precision import Precision, clip_grad_norm_fp32, resolve_precision
+from utils.run.errors import UsageError
+from utils.training_state import TrainingState
 
 
 class Batches:
@@ -32,17 +34,18 @@ def run_engine(accelerator, batches, accum=1, lr=0.1, clip=None, criterion=None,
     """One epoch of train_one_epoch at O0 over a bias-free-of-BN linear model; returns (model, result)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
-    recipe, _ = resolve_recipe("O0", None, None, None)
+    recipe, _ = resolve_precision("O0", None, None, None)
     precision = Precision(recipe, model, "cpu")
     precision.clip_grad = clip
     built = build_optimizer(opt, model, lr, momentum=momentum, weight_decay=0.0)
     precision.skips_on_device = built.skips_on_device
     args = SimpleNamespace(batch_size=batches[0][0].size(0), accum_steps=accum, lr=lr * 256 / (
         batches[0][0].size(0) * accum), lr_schedule="step", lr_steps=[100], epochs=1, warmup_epochs=0,
-        min_lr=0.0, steps_per_epoch=0, print_freq=1, seed=0)
+        min_lr=0.0, steps_per_epoch=0, print_freq=1, seed=0, max_nonfinite_steps=None)
     data = SimpleNamespace(train=Batches(batches), num_classes=3)
-    result = train_one_epoch(model, data, built.optimizer, precision, accelerator, 0, args,
-                             criterion or nn.CrossEntropyLoss(), log=lambda line: None)
+    state = TrainingState(model, built.optimizer, precision, accelerator)
+    result = train_one_epoch(state, data, 0, training_loop(args, criterion or nn.CrossEntropyLoss()),
+                             Watch(log=lambda line: None))
     return model, result
 
 
@@ -118,11 +121,12 @@ def test_mixup_and_erasing_change_pixels_and_targets():
 
 
 def test_aa_refused_on_the_gpu_backend():
-    from utils.batches import sharded_data
-    args = SimpleNamespace(aa="rand-m9-mstd0.5", data_backend="gpu", batch_size=2, seed=0)
+    from utils.data.batches import sharded_data
+    from utils.data.sources import DataSpec
+    spec = DataSpec(data=None, batch_size=2, workers=0, seed=0, image_size=32, aa="rand-m9-mstd0.5", backend="gpu")
     accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
     with pytest.raises(UsageError, match="--data-backend cpu"):
-        sharded_data(list(range(4)), list(range(4)), 2, args, accel, (0.5,) * 3, (0.5,) * 3)
+        sharded_data(list(range(4)), list(range(4)), 2, spec, accel)
 
 
 def test_ema_is_evaluated_and_saved_beside_the_raw_model(cache_dir, tmp_path):
@@ -162,23 +166,26 @@ def test_drop_path_reaches_the_model_or_is_refused(usage_error):
 
 
 def test_min_lr_floors_cosine_and_step_schedules():
-    from utils.engine import learning_rate
-    args = SimpleNamespace(lr=0.1, lr_schedule="cosine", lr_steps=[1, 2], epochs=3, warmup_epochs=0, min_lr=0.01)
-    assert learning_rate(args, 2, 99, 100, 256) == pytest.approx(0.01, rel=1e-3)
-    assert learning_rate(args, 0, 0, 100, 256) == pytest.approx(0.1)
-    args.lr_schedule = "step"
-    assert learning_rate(args, 2, 0, 100, 256) == pytest.approx(0.01)  # 0.001 without the floor
-    args.min_lr = 0.0
-    assert learning_rate(args, 2, 0, 100, 256) == pytest.approx(0.001)
+    from dataclasses import replace
+
+    from utils.engine import Schedule, learning_rate
+    schedule = Schedule(lr=0.1, epochs=3, lr_schedule="cosine", lr_steps=(1, 2), min_lr=0.01)
+    assert learning_rate(schedule, 2, 99, 100, 256) == pytest.approx(0.01, rel=1e-3)
+    assert learning_rate(schedule, 0, 0, 100, 256) == pytest.approx(0.1)
+    schedule = replace(schedule, lr_schedule="step")
+    assert learning_rate(schedule, 2, 0, 100, 256) == pytest.approx(0.01)  # 0.001 without the floor
+    schedule = replace(schedule, min_lr=0.0)
+    assert learning_rate(schedule, 2, 0, 100, 256) == pytest.approx(0.001)
 
 
 def test_no_wd_norm_bias_reaches_the_optimizer(accelerator, cache_dir):
-    from utils.cli import add_log_args, build_parser
-    from utils.setup import build_training_state, parse_args
+    from utils.flags.parser import add_log_args, build_parser
+    from utils.flags.precedence import parse_args
+    from utils.training_state import build_training_state
     args = parse_args(add_log_args(build_parser("t")), [*QUICK, "--no-wd-norm-bias", "--opt", "lamb"])
-    args.channels_last = False
-    recipe, _ = resolve_recipe("O0", None, None, None)
-    model, optimizer, precision = build_training_state(args, accelerator, recipe, 10)
+    plan, _ = resolve_precision("O0", None, None, None)
+    model_spec, optimizer_spec, _ = training_specs(args, channels_last=False, compile=False)
+    model, optimizer, precision, _ = build_training_state(model_spec, optimizer_spec, accelerator, plan, 10)
     decays = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     for name, param in model.named_parameters():
         assert decays[id(param)] == (0.0 if param.ndim <= 1 else args.weight_decay), name
@@ -214,14 +221,16 @@ def test_the_batch_after_a_print_step_is_taken_before_the_print_steps_sync(accel
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
-    precision = Precision(resolve_recipe("O0", None, None, None)[0], model, "cpu")
+    precision = Precision(resolve_precision("O0", None, None, None)[0], model, "cpu")
     built = build_optimizer("sgd", model, 0.1, momentum=0.0, weight_decay=0.0)
     precision.skips_on_device = built.skips_on_device
     args = SimpleNamespace(batch_size=4, accum_steps=1, lr=0.1, lr_schedule="step", lr_steps=[100], epochs=1,
-                           warmup_epochs=0, min_lr=0.0, steps_per_epoch=0, print_freq=2, seed=0)
+                           warmup_epochs=0, min_lr=0.0, steps_per_epoch=0, print_freq=2, seed=0,
+                           max_nonfinite_steps=None)
     data = SimpleNamespace(train=Logged(batches_of(5, 4)), num_classes=3)
-    result = train_one_epoch(model, data, built.optimizer, precision, accelerator, 0, args, nn.CrossEntropyLoss(),
-                             log=lambda line: events.append(re.match(r"Epoch: \[0\]\[(\d+)/5\]", line).group(0)))
+    state = TrainingState(model, built.optimizer, precision, accelerator)
+    result = train_one_epoch(state, data, 0, training_loop(args, nn.CrossEntropyLoss()),
+                             Watch(log=lambda line: events.append(re.match(r"Epoch: \[0\]\[(\d+)/5\]", line).group(0))))
     assert result.count == 20
     assert events == ["take 0", "take 1", "take 2", "Epoch: [0][2/5]", "take 3", "take 4", "Epoch: [0][4/5]",
                       "Epoch: [0][5/5]"]

@@ -1,17 +1,19 @@
 """The cpu backend's loader pieces that set its per-image cost: RGB loading without a copy, the
-one-copy collate, the per-sample seed, and the loader-only benchmark tool (tools/benchmark_loader.py)."""
+one-copy collate, the per-sample seed, and the loader-only benchmark tool (bench/benchmark_loader.py)."""
 import csv
 import io
 
 import numpy as np
 import pytest
 import torch
+from conftest import make_image_folder, run_script
 from PIL import Image
 from torchvision.datasets.folder import pil_loader
 
-from conftest import make_image_folder, run_script
-from utils.batches import SeededSamples, as_rgb, fast_collate, rgb_loader, train_transform
-from utils.data import image_folder
+from utils.data.batches import SeededSamples, fast_collate
+from utils.data.crops import train_transform
+from utils.data.folder import image_folder
+from utils.data.image_files import as_rgb, rgb_loader
 
 
 def odd_files(folder):
@@ -91,7 +93,8 @@ def test_a_sample_made_in_the_training_process_leaves_its_global_generators_alon
     Python's and NumPy's generators for random erasing, mixup and dropout: making a sample (an
     --aa policy reseeds all three) must leave them where they were."""
     import random
-    from utils.recipe import augment_transform
+
+    from utils.ingredients import augment_transform
     extra = augment_transform("rand-m9-mstd0.5", 16, (0.5,) * 3)
     samples = SeededSamples(image_folder(tiny_folder, "train", train_transform(16, 0.5, 0.5)), seed=3, extra=extra)
 
@@ -123,7 +126,7 @@ def test_loss_with_random_erasing_is_the_same_whatever_the_worker_count(tiny_fol
 def test_loader_benchmark_writes_a_row_per_loader(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, per_class=12, size=(64, 48), splits=("train",))
     out = tmp_path / "loader.csv"
-    result = run_script("tools/benchmark_loader.py", data, "--workers", "0", "1", "-b", "4", "--batches", "5",
+    result = run_script("bench/benchmark_loader.py", data, "--workers", "0", "1", "-b", "4", "--batches", "5",
                         "--warmup", "1", "--rounds", "1", "--image-size", "32", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
@@ -135,7 +138,7 @@ def test_loader_benchmark_writes_a_row_per_loader(tmp_path):
 
 
 def test_loader_benchmark_refuses_a_warmup_that_leaves_nothing(tmp_path):
-    result = run_script("tools/benchmark_loader.py", tmp_path, "--batches", "3", "--warmup", "3")
+    result = run_script("bench/benchmark_loader.py", tmp_path, "--batches", "3", "--warmup", "3")
     assert result.returncode == 2 and "--warmup 3 must be at least 1 and below --batches 3" in result.stderr
 
 
@@ -145,71 +148,9 @@ def test_loader_benchmark_refuses_a_warmup_that_leaves_nothing(tmp_path):
 def test_loader_benchmark_usage_errors_are_one_line(tiny_folder, tmp_path, flags, needle):
     data = tmp_path / "missing" if "--missing" in flags else tiny_folder
     flags = [flag for flag in flags if flag != "--missing"]
-    result = run_script("tools/benchmark_loader.py", data, *flags)
+    result = run_script("bench/benchmark_loader.py", data, *flags)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert (needle or "does not exist") in result.stderr
-
-
-def test_decode_overlap_probe_reports_each_rate(tiny_folder):
-    """tools/decode_overlap.py on the CPU (its CUDA rows need the device): the step, the decode,
-    the two together through GpuBatches' one and two threads, and the serial/overlap bounds."""
-    result = run_script("tools/decode_overlap.py", tiny_folder, "-a", "resnet18", "-b", "4", "--image-size", "32",
-                        "--steps", "4", "--warmup", "1", "--distinct", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rates = dict(line.rsplit(None, 2)[:2] for line in result.stdout.splitlines() if line.endswith("img/s"))
-    assert set(rates) == {"step", "decode", "decode, two threads", "both, one thread", "both, default stream",
-                          "if serialised", "if overlapped"}
-    assert all(float(value) > 0 for value in rates.values())
-    # Serialised is below overlapped, but printed to 0.1 img/s the two meet when one rate dwarfs the other.
-    assert float(rates["if serialised"]) <= float(rates["if overlapped"])
-
-
-def test_decode_overlap_probe_refuses_a_batch_larger_than_the_folder(tiny_folder):
-    result = run_script("tools/decode_overlap.py", tiny_folder, "-b", "64")
-    assert result.returncode == 2 and "fewer than one batch of 64; lower --batch-size" in result.stderr
-
-
-def test_decode_overlap_trace_summary_accounts_each_stream_and_thread(tmp_path):
-    """The --trace summary on a small hand-made Chrome trace (the real one needs CUDA): host ranges
-    per name (not their GPU copies), per-stream busy time, the step stream's idle gaps, and the
-    blocking CUDA calls per thread role, all per step."""
-    import importlib.util
-    import json
-    spec = importlib.util.spec_from_file_location("decode_overlap", "tools/decode_overlap.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    x = lambda name, cat, tid, ts, dur, **args: {"ph": "X", "name": name, "cat": cat, "tid": tid,  # noqa: E731
-                                                  "ts": ts, "dur": dur, "args": args}
-    events = [x("step", "user_annotation", 1, 0, 3000), x("step", "user_annotation", 1, 10000, 3000),
-              x("step", "gpu_user_annotation", 7, 0, 20000),  # the range drawn on the GPU: not host time
-              x("wait_batch", "user_annotation", 1, 9000, 1000),
-              x("decode_stage", "user_annotation", 2, 0, 8000),
-              x("cudaFree", "cuda_runtime", 2, 100, 4000),
-              x("cudaLaunchKernel", "cuda_runtime", 1, 9500, 10, correlation=5),  # after the gap began
-              x("conv", "kernel", 7, 0, 8000, stream=7), x("conv", "kernel", 7, 10000, 8000, stream=7, correlation=5),
-              x("gather", "kernel", 14, 5000, 4000, stream=14)]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    lines = tool.summarise_trace(str(path), steps=2)
-    assert lines[0] == "host ranges: wait_batch 0.5, step 3.0, decode_stage 4.0"
-    assert "GPU span 9.0, some stream busy 8.5" in lines
-    assert "stream 7: 1 kernels/copies, busy 8.0, idle 1.0 inside its span (the step's stream)" in lines
-    assert "stream 14: 0 kernels/copies, busy 2.0" in lines
-    # The 2 ms gap (8.0-10.0 ms): its next kernel was launched at 9.5 ms, after the gap began.
-    assert "step stream gaps: host-late 1.00, other streams busy 0.00, short 0.00, other 0.00" in lines, lines
-    assert any(line.split() == ["decode_stage", "cudaFree", "2.00", "ms", "in", "0", "calls"] for line in lines), lines
-
-
-def test_decode_overlap_refuses_no_trace_steps(tiny_folder):
-    bad = run_script("tools/decode_overlap.py", tiny_folder, "-b", "4", "--trace-steps", "0")
-    assert bad.returncode == 2 and "--trace-steps 0 must be at least 1" in bad.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA --trace runs")
-def test_decode_overlap_trace_without_cuda_is_refused(tiny_folder, tmp_path):
-    """--trace reads CUDA streams: on a machine without CUDA it is refused, not silently skipped."""
-    result = run_script("tools/decode_overlap.py", tiny_folder, "-b", "4", "--trace", tmp_path)
-    assert result.returncode == 2 and "--trace profiles CUDA streams and needs a GPU" in result.stderr
 
 
 def test_fake_imagenet_writes_what_it_says_and_refuses_to_mix_or_count_nothing(tmp_path):

@@ -14,13 +14,13 @@ import types
 
 import pytest
 import yaml
+from conftest import ROOT, TIMEOUT, run_command, run_script, subprocess_env
 from PIL import Image
 
-from conftest import ROOT, TIMEOUT, run_command, run_script, subprocess_env
-from utils.cli import add_log_args, build_parser
-from utils.errors import UsageError
+from utils.flags.parser import add_log_args, build_parser
+from utils.flags.precedence import parse_args
 from utils.logs import SUMMARY_COLUMNS, Progress, RunLog, tracker_kwargs
-from utils.setup import parse_args
+from utils.run.errors import UsageError
 
 FINAL = re.compile(r" \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)")
 EPOCH_END = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/\2\].*\tLoss [\d.]+ \(([\d.]+)\)")
@@ -188,33 +188,34 @@ def test_missing_tracker_packages_are_usage_errors():
     for choice in ("wandb", "all"):
         args = parse_args(parser, ["--log-with", choice])
         with pytest.raises(UsageError, match="pip install wandb.*WANDB_MODE=offline"):
-            tracker_kwargs(args)
-    assert tracker_kwargs(parse_args(parser, [])) == {}
-    assert tracker_kwargs(parse_args(parser, ["--log-with", "tensorboard"]))["log_with"] == ["tensorboard"]
+            tracker_kwargs(args.log_with, args.output_dir)
+    assert tracker_kwargs("none", ".") == {}
+    assert tracker_kwargs("tensorboard", ".")["log_with"] == ["tensorboard"]
 
 
 def test_only_the_main_process_writes_and_only_after_an_epoch(tmp_path):
     args = parse_args(add_log_args(build_parser("t")), ["--output-dir", str(tmp_path / "run")])
     rank1 = types.SimpleNamespace(is_main_process=False, is_local_main_process=False)
-    run_log = RunLog(args, rank1)
+    run_log = RunLog(rank1, args.output_dir, vars(args))
     run_log.epoch(0, None, None, None)
     run_log.finish()
     assert not os.path.exists(tmp_path / "run")
     assert not Progress(rank1).enabled
     # A run that stops before its first epoch ends (say, at an unreadable image) leaves no files.
-    RunLog(args, types.SimpleNamespace(is_main_process=True, is_local_main_process=True)).finish()
+    main = types.SimpleNamespace(is_main_process=True, is_local_main_process=True)
+    RunLog(main, args.output_dir, vars(args)).finish()
     assert not os.path.exists(tmp_path / "run")
 
 
 def test_loss_scaling_figures_reach_the_csv_and_the_trackers(tmp_path):
-    from utils.engine import EpochResult
+    from utils.meters import EpochResult
 
     args = parse_args(add_log_args(build_parser("t")), ["--output-dir", str(tmp_path)])
     logged = []
     main = types.SimpleNamespace(is_main_process=True, is_local_main_process=True,
                                  log=lambda values, step: logged.append((step, values)))
     optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.05}])
-    run_log = RunLog(args, main)
+    run_log = RunLog(main, args.output_dir, vars(args))
     train = EpochResult(2.5, 10.0, 50.0, 64, 2.0, 32.0, skipped_steps=3, loss_scale=32768.0)
     val = EpochResult(2.0, 20.0, 60.0, 359, 1.0, 359.0)
     run_log.epoch(0, train, val, optimizer)

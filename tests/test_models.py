@@ -4,12 +4,12 @@ import os
 import pytest
 import torch
 import yaml
-
 from conftest import make_image_folder, run_script
-from utils.cli import build_parser
-from utils.errors import UsageError
+
+from utils.flags.parser import build_parser
+from utils.flags.precedence import parse_args
 from utils.models import build_model, model_data_config
-from utils.setup import parse_args
+from utils.run.errors import UsageError
 
 TINY_TIMM = "test_resnet.r160_in1k"  # timm's own test model: 0.4M weights, 160 px, mean/std 0.5
 
@@ -63,10 +63,13 @@ def test_timm_data_config_fills_what_no_flag_set():
 
 def test_the_model_mean_and_std_reach_the_device_normalisation(cache_dir):
     from accelerate import Accelerator
-    from utils.data import build_data
+
+    from utils.data.sources import build_data
+    from utils.flags.specs import data_spec
 
     args = parse_args(build_parser("t"), ["-a", "timm/test_resnet", "-j", "0", "-b", "8"])
-    data = build_data(args, Accelerator(cpu=True), train=False)
+    data = build_data(data_spec(args, backend="cpu", jpeg_decoder="auto", channels_last=False), Accelerator(cpu=True),
+                      train=False)
     assert torch.allclose(data.val.mean.flatten(), torch.full((3,), 127.5))
     assert torch.allclose(data.val.std.flatten(), torch.full((3,), 127.5))
 
@@ -198,7 +201,7 @@ def test_checkpoint_weights_load_into_models_that_check_module_versions(arch):
     MNASNet refuses such a dict (version None), so the loader supplies the model's own."""
     import torchvision
 
-    from utils.checkpoint import load_model_weights
+    from utils.run.checkpoint import load_model_weights
     source = torchvision.models.get_model(arch, num_classes=10)
     with torch.no_grad():
         for parameter in source.parameters():

@@ -3,11 +3,11 @@ import os
 
 import pytest
 import torch
+from conftest import build_sgd
 from torch import nn
 
-from utils.errors import UsageError
-from utils.precision import (OPT_LEVELS, Precision, build_sgd, cpu_fp16_note, cpu_has_native_bf16,
-                             resolve_recipe)
+from utils.precision import OPT_LEVELS, Precision, cpu_fp16_note, cpu_has_native_bf16, resolve_precision
+from utils.run.errors import UsageError
 
 HALVES = [("bf16", torch.bfloat16), ("fp16", torch.float16)]
 
@@ -25,7 +25,7 @@ class TinyNet(nn.Module):
 
 
 def setup(level, dtype_name, keep_bn=None, loss_scale=None):
-    recipe, _ = resolve_recipe(level, keep_bn, loss_scale, dtype_name, "--mixed-precision")
+    recipe, _ = resolve_precision(level, keep_bn, loss_scale, dtype_name, "--mixed-precision")
     torch.manual_seed(0)
     model = TinyNet()
     precision = Precision(recipe, model, "cpu")
@@ -65,7 +65,7 @@ def test_defaults_follow_the_apex_table():
         ("O3", "bf16"): ("bf16", False, 1.0),
     }
     for (level, mp), (dtype, keep_bn, scale) in expect.items():
-        recipe, _ = resolve_recipe(level, None, None, mp, "the Accelerate config")
+        recipe, _ = resolve_precision(level, None, None, mp, "the Accelerate config")
         assert (recipe.dtype_name, recipe.keep_bn_fp32, recipe.loss_scale) == (dtype, keep_bn, scale), level
 
 
@@ -73,7 +73,7 @@ def readme_opt_level_rows():
     """The README's opt-level table as {level: [weights, autocast, optimizer, BN, loss scale]}."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "README.md")) as handle:
-        lines = handle.read().split("## Precision: opt levels", 1)[1].split("\n## ", 1)[0].splitlines()
+        lines = handle.read().split("## Opt levels", 1)[1].split("\n## ", 1)[0].splitlines()
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| O")]
     return {row[0]: row[1:] for row in cells}
 
@@ -97,7 +97,7 @@ def test_opt_levels_table_is_the_readme_table():
 
 
 def test_every_level_describes_itself():
-    lines = {level: resolve_recipe(level, None, None, "fp16", None)[0].describe() for level in OPT_LEVELS}
+    lines = {level: resolve_precision(level, None, None, "fp16", None)[0].describe() for level in OPT_LEVELS}
     assert lines == {
         "O0": "precision: O0 fp32 | weights fp32, BN fp32, optimizer fp32 | loss scale none",
         "O1": "precision: O1 fp16 | autocast fp16, weights fp32, BN fp32, optimizer fp32 "
@@ -107,7 +107,7 @@ def test_every_level_describes_itself():
               "| loss scale static 1",
     }
     # eval.py's: what the forward pass uses only (a loss scale or master weights would be untrue there)
-    lines = {level: resolve_recipe(level, None, None, "bf16", None)[0].describe(evaluation=True)
+    lines = {level: resolve_precision(level, None, None, "bf16", None)[0].describe(evaluation=True)
              for level in OPT_LEVELS}
     assert lines == {"O0": "precision: O0 fp32 | weights fp32, BN fp32",
                      "O1": "precision: O1 bf16 | autocast bf16, weights fp32, BN fp32",
@@ -125,32 +125,32 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
 
 
 def test_cpu_fp16_note_only_for_fp16_off_cuda():
-    fp16 = resolve_recipe("O1", None, None, "fp16", None)[0]
-    bf16 = resolve_recipe("O1", None, None, "bf16", None)[0]
+    fp16 = resolve_precision("O1", None, None, "fp16", None)[0]
+    bf16 = resolve_precision("O1", None, None, "bf16", None)[0]
     note = cpu_fp16_note(fp16, "cpu")
     assert note.startswith("fp16 on a machine without CUDA") and "bf16" in note
     assert cpu_fp16_note(fp16, "cuda") is None and cpu_fp16_note(bf16, "cpu") is None
 
 
 def test_mixed_precision_alone_picks_the_level():
-    assert resolve_recipe(None, None, None, "no", "env")[0].opt_level == "O0"
-    assert resolve_recipe(None, None, None, None, None)[0].opt_level == "O0"
-    assert resolve_recipe(None, None, None, "bf16", "env")[0].opt_level == "O1"
+    assert resolve_precision(None, None, None, "no", "env")[0].opt_level == "O0"
+    assert resolve_precision(None, None, None, None, None)[0].opt_level == "O0"
+    assert resolve_precision(None, None, None, "bf16", "env")[0].opt_level == "O1"
     # An opt level with Accelerate's default 'no' in the environment means Apex's fp16.
-    assert resolve_recipe("O2", None, None, "no", "the Accelerate config")[0].dtype_name == "fp16"
+    assert resolve_precision("O2", None, None, "no", "the Accelerate config")[0].dtype_name == "fp16"
 
 
 def test_flag_conflicts_and_no_effect_notes():
     with pytest.raises(UsageError, match="O1"):
-        resolve_recipe("O1", True, None, "fp16", None)
+        resolve_precision("O1", True, None, "fp16", None)
     with pytest.raises(UsageError, match="contradicts"):
-        resolve_recipe("O2", None, None, "no", "--mixed-precision")
-    recipe, notes = resolve_recipe("O0", None, 128.0, None, None)
+        resolve_precision("O2", None, None, "no", "--mixed-precision")
+    recipe, notes = resolve_precision("O0", None, 128.0, None, None)
     assert recipe.loss_scale is None and any("no effect" in n for n in notes)
-    recipe, _ = resolve_recipe("O3", True, "dynamic", "fp16", None)
+    recipe, _ = resolve_precision("O3", True, "dynamic", "fp16", None)
     assert recipe.keep_bn_fp32 and recipe.loss_scale == "dynamic"
     assert "precision: O2 fp16 | weights half, BN fp32, master fp32 | loss scale dynamic (65536)" == \
-        resolve_recipe("O2", None, None, "fp16", None)[0].describe()
+        resolve_precision("O2", None, None, "fp16", None)[0].describe()
 
 
 @pytest.mark.parametrize("dtype_name,half", HALVES)
@@ -252,7 +252,7 @@ def test_loss_scale_state_round_trips(accelerator):
 
 
 def test_o2_masters_keep_the_fp32_bits_they_were_built_from():
-    recipe, _ = resolve_recipe("O2", None, None, "bf16", None)
+    recipe, _ = resolve_precision("O2", None, None, "bf16", None)
     torch.manual_seed(0)
     model = TinyNet()
     original = model.conv.weight.detach().clone()

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import QUICK, ROOT, TIMEOUT, TINY, run_command, run_script, subprocess_env
 
 BIN = os.path.dirname(sys.executable)
@@ -239,7 +238,7 @@ def test_a_signal_to_one_rank_only_stops_every_rank_by_its_name(cache_dir, tmp_p
 
 
 def test_the_agreed_signal_is_theirs_or_sigterm_when_they_differ():
-    from utils.preemption import agreed_signal
+    from utils.run.preemption import agreed_signal
     assert agreed_signal(0, 0) is None
     assert agreed_signal(1, signal.SIGINT) == signal.SIGINT
     assert agreed_signal(2, 2 * signal.SIGTERM) == signal.SIGTERM
@@ -250,7 +249,7 @@ def test_the_agreed_signal_is_theirs_or_sigterm_when_they_differ():
 # In-process pieces
 
 def test_sampler_starts_mid_epoch_at_the_same_place_of_the_same_shuffle():
-    from utils.batches import ShardedEpochSampler
+    from utils.data.batches import ShardedEpochSampler
 
     for world in (1, 2, 4):
         whole = [list(ShardedEpochSampler(100, 8 // world, rank, world, seed=3)) for rank in range(world)]
@@ -264,7 +263,7 @@ def test_sampler_starts_mid_epoch_at_the_same_place_of_the_same_shuffle():
 
 
 def test_resume_command_replaces_resume_and_drops_overwrite():
-    from utils.preemption import resume_command
+    from utils.run.preemption import resume_command
 
     argv = ["train.py", "--overwrite", "--resume", "old.tar", "-b", "8", "--resume=x", "data dir"]
     assert resume_command("out/checkpoint.pth.tar", argv) == \
@@ -274,8 +273,8 @@ def test_resume_command_replaces_resume_and_drops_overwrite():
 def test_resume_command_names_the_output_dir_and_knows_abbreviated_flags():
     """A --resume DIR run writes into DIR without --output-dir typed: the command says where;
     argparse's abbreviations (--overwr for --overwrite) are dropped or replaced like the flags."""
-    from utils.cli import add_log_args, build_parser
-    from utils.preemption import resume_command
+    from utils.flags.parser import add_log_args, build_parser
+    from utils.run.preemption import resume_command
 
     options = add_log_args(build_parser("train"))._option_string_actions
     argv = ["train.py", "d", "--overwr", "--resu", "runs/a", "--output-d=x", "--lr", "0.2"]
@@ -284,7 +283,7 @@ def test_resume_command_names_the_output_dir_and_knows_abbreviated_flags():
 
 
 def test_a_duplicate_signal_is_the_same_request_and_a_later_one_stops_at_once(monkeypatch):
-    from utils import preemption
+    from utils.run import preemption
 
     stop = preemption.StopOnSignal(announce=False)
     clock = [100.0]

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, TIMEOUT, run_script, subprocess_env
 from test_preemption import STOPPED, no_traceback
 
@@ -88,7 +87,7 @@ def test_sigterm_to_the_whole_group_saves_exits_143_and_resumes(cache_dir, tiny_
 # limit; "sigkill" dies at once and leaves them orphans.
 LOADER_SCRIPT = """
 import os, signal, sys, torch
-from utils.preemption import ignore_stop_signals_in_worker
+from utils.run.preemption import ignore_stop_signals_in_worker
 loader = torch.utils.data.DataLoader(torch.arange(10 ** 6), batch_size=4, num_workers=2,
                                      persistent_workers=True, worker_init_fn=ignore_stop_signals_in_worker)
 asked = []

@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, run_script
-from utils.errors import exit_on_usage_error
+
 from utils.profiling import DATA_RANGE, WAIT_RANGE, NvtxWindow, PhaseProfiler, WallClock, format_waits_and_gc
+from utils.run.errors import exit_on_usage_error
 
 TINY = ["-a", "resnet18", "--image-size", "16"]
 PHASES = ["data wait", "host-to-device", "forward", "backward", "optimizer step", "other"]

@@ -1,4 +1,4 @@
-"""utils/recipe.py: each ingredient builder gives the torch/timm piece with the effect it promises
+"""utils/ingredients.py: each ingredient builder gives the torch/timm piece with the effect it promises
 (smoothed targets, mixed pixels and targets, augmented images, erased pixels, EMA weights, zero
 decay on norms/biases, optimizers that step and skip overflowed steps, accumulation without DDP
 all-reduce on the micro-batches).
@@ -14,14 +14,32 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, leave_together, run_command
 from PIL import Image
 from torch import nn
 
-from conftest import ROOT, leave_together, run_command
-from utils.errors import UsageError
-from utils.recipe import (build_criterion, build_ema, build_mixup, build_optimizer, build_random_erasing,
-                          augment_transform, ema_state_dict, micro_batch_context, param_groups,
-                          step_skipping_overflow, train_transform_extras, update_ema)
+from utils.ingredients import (
+    augment_transform,
+    build_criterion,
+    build_ema,
+    build_mixup,
+    build_optimizer,
+    build_random_erasing,
+    ema_state_dict,
+    micro_batch_context,
+    param_groups,
+    step_skipping_overflow,
+    update_ema,
+)
+from utils.run.errors import UsageError
+
+
+def train_transform_extras(aa=None, reprob=0.0, image_size=224, mean=(0.485, 0.456, 0.406),
+                           interpolation="bilinear", device="cpu"):
+    """(PIL transform for after the crop and flip or None, batch random erasing or None): the two
+    places augmentation goes in this project, the loader's PIL images and the device batch."""
+    return augment_transform(aa, image_size, mean, interpolation), build_random_erasing(reprob, device)
+
 
 
 def small_net():
@@ -131,7 +149,7 @@ def test_policies_that_posterize_to_zero_bits_run(policy):
 def test_zero_bit_posterize_is_black_and_others_are_pillows():
     from PIL import ImageOps
 
-    from utils.recipe import posterize_keeping
+    from utils.ingredients import posterize_keeping
     image = photo()
     assert not np.asarray(posterize_keeping(image, 0)).any()
     assert np.array_equal(np.asarray(posterize_keeping(image, 3)), np.asarray(ImageOps.posterize(image, 3)))

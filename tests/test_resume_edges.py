@@ -4,9 +4,11 @@
 import pytest
 import torch
 
-from utils.checkpoint import kept_checkpoints, save_checkpoint
-from utils.cli import add_log_args, build_parser
-from utils.setup import check_resume_meaning, parse_args
+from utils.flags.parser import add_log_args, build_parser
+from utils.flags.precedence import parse_args
+from utils.flags.specs import training_specs
+from utils.run.checkpoint import kept_checkpoints, save_checkpoint
+from utils.training_state import check_resume_meaning
 
 
 def flags(*argv):
@@ -23,7 +25,8 @@ def checkpoint_of(args):
 def note(capsys, accelerator):
     def run(saved_checkpoint, resumed):
         capsys.readouterr()
-        check_resume_meaning(resumed, saved_checkpoint, None, accelerator)
+        _, _, resume = training_specs(resumed, channels_last=False, compile=False)
+        check_resume_meaning(resume, saved_checkpoint, None, accelerator)
         return [line for line in capsys.readouterr().err.splitlines() if "global batch" in line]
     return run
 

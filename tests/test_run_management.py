@@ -4,14 +4,14 @@ import os
 
 import pytest
 import torch
-
 from conftest import HALF_QUICK, QUICK, ROOT, run_script
 from test_train import losses, one_error_line
-from utils.checkpoint import kept_checkpoints, save_checkpoint
-from utils.cli import add_log_args, build_parser
-from utils.errors import UsageError, exit_on_usage_error
-from utils.recipe import check_ingredient_flags
-from utils.setup import parse_args
+
+from utils.flags.parser import add_log_args, build_parser
+from utils.flags.precedence import parse_args
+from utils.ingredients import check_ingredient_flags
+from utils.run.checkpoint import kept_checkpoints, save_checkpoint
+from utils.run.errors import UsageError, exit_on_usage_error
 
 
 def parse(argv):
@@ -113,7 +113,7 @@ def test_a_typed_lr_schedule_replaces_the_files_step_milestones(tmp_path):
 
 
 def test_shipped_configs_hold_only_real_flags(tmp_path):
-    from utils.cli import load_config
+    from utils.flags.config import load_config
     parser = add_log_args(build_parser("train"))
     apex = load_config(parser, os.path.join(ROOT, "configs", "apex_resnet50_90ep.yaml"))
     assert apex["lr_steps"] == [30, 60, 80] and apex["opt_level"] == "O1" and apex["epochs"] == 90
@@ -258,25 +258,25 @@ def test_resume_drops_stored_flags_made_for_a_setting_this_run_changes(tmp_path)
     assert parse(["--resume", tmp_path, "--epochs", "2"]).compile_mode == "reduce-overhead"
     from utils.compiled import resolve_compile
     with pytest.raises(UsageError, match="needs --compile"):  # typed, it is still refused
-        resolve_compile(parse(["--resume", tmp_path, "--epochs", "2", "--compile", "False",
-                               "--compile-mode", "max-autotune"]))
+        args = parse(["--resume", tmp_path, "--epochs", "2", "--compile", "False", "--compile-mode", "max-autotune"])
+        resolve_compile(args.compile, args.compile_mode)
 
 
 def test_mixed_precision_no_resumes_a_half_run_in_fp32(tmp_path):
     """--mixed-precision no beside --resume of an O2 bf16 run was refused as contradicting
     --opt-level O2, a flag only the checkpoint held; it now means O0 (the stored keep-BN choice
     going with the old level), and a typed --opt-level O2 beside it is still a contradiction."""
-    from utils.precision import resolve_recipe
+    from utils.precision import resolve_precision
     state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
              "args": {"opt_level": "O2", "keep_batchnorm_fp32": False, "mixed_precision": "bf16", "epochs": 1}}
     save_checkpoint(state, False, tmp_path)
     args = parse(["--resume", tmp_path, "--epochs", "2", "--mixed-precision", "no"])
     assert (args.opt_level, args.keep_batchnorm_fp32) == ("O0", None)
-    recipe, notes = resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale, "no", "--mixed-precision")
+    recipe, notes = resolve_precision(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale, "no", "--mixed-precision")
     assert recipe.opt_level == "O0" and recipe.half_dtype is None and notes == []
     args = parse(["--resume", tmp_path, "--epochs", "2", "--mixed-precision", "no", "--opt-level", "O2"])
     with pytest.raises(UsageError, match="contradicts --opt-level O2"):
-        resolve_recipe(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale, "no", "--mixed-precision")
+        resolve_precision(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale, "no", "--mixed-precision")
 
 
 def test_a_pretrained_run_resumes_without_its_weights_file_and_evaluates_at_another_level(cache_dir, tmp_path,
@@ -380,14 +380,16 @@ def test_config_that_is_not_utf8_is_one_usage_error(tmp_path):
 
 
 def test_resuming_an_older_checkpoint_in_its_run_says_the_newer_one_will_be_replaced(tmp_path):
-    from utils.setup import settle_output_dir
+    from utils.flags.specs import run_dir_spec
+    from utils.run.directory import settle_output_dir
     for epoch in (1, 2):  # checkpoint.pth.tar ends at epoch 2, the kept epoch-1 copy is older
         save_checkpoint({"epoch": epoch, "step": 0, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
                          "args": {"epochs": 3}}, False, tmp_path, keep=2)
     older = tmp_path / "checkpoint-epoch001.pth.tar"
     os.utime(older, (1, 1))  # written in the same second as the newer one on a fast disk
-    lines, replaced = settle_output_dir(parse(["--resume", older, "--output-dir", tmp_path]))
+    lines, replaced = settle_output_dir(run_dir_spec(parse(["--resume", older, "--output-dir", tmp_path])))
     assert replaced == [] and any("checkpoint.pth.tar beside it is newer" in line for line in lines), lines
-    lines, _ = settle_output_dir(parse(["--resume", tmp_path / "checkpoint.pth.tar", "--output-dir", tmp_path]))
+    newest = tmp_path / "checkpoint.pth.tar"
+    lines, _ = settle_output_dir(run_dir_spec(parse(["--resume", newest, "--output-dir", tmp_path])))
     assert not any("newer" in line for line in lines)
 

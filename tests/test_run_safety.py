@@ -10,14 +10,14 @@ import sys
 
 import pytest
 import torch
-
 from conftest import HALF_QUICK, HALF_TINY, QUICK, ROOT, TIMEOUT, TINY, make_image_folder, run_script, subprocess_env
 from test_train import one_error_line
-from utils.checkpoint import save_checkpoint
-from utils.cli import SEED_MAX, add_log_args, build_parser
-from utils.data import SafeImageFolder, skipped_message
-from utils.errors import EXIT_USAGE, EXIT_WRITE_FAILED, exit_on_usage_error
-from utils.setup import parse_args
+
+from utils.data.folder import SafeImageFolder, skipped_message
+from utils.flags.parser import SEED_MAX, add_log_args, build_parser
+from utils.flags.precedence import parse_args
+from utils.run.checkpoint import save_checkpoint
+from utils.run.errors import EXIT_USAGE, EXIT_WRITE_FAILED, exit_on_usage_error
 
 RUN_FILES = ("checkpoint.pth.tar", "model_best.pth.tar", "summary.csv", "args.yaml", "curves.png")
 
@@ -96,8 +96,9 @@ def test_missing_output_dir_is_created_with_parents_and_evaluate_writes_nothing(
     assert not out.exists()
     # A training run creates it (parents too) at start-up: the start-epoch error comes after that.
     args = parse_args(add_log_args(build_parser("t")), ["--output-dir", str(out)])
-    from utils.setup import settle_output_dir
-    assert settle_output_dir(args) == ([], []) and out.is_dir() and os.listdir(out) == []
+    from utils.flags.specs import run_dir_spec
+    from utils.run.directory import settle_output_dir
+    assert settle_output_dir(run_dir_spec(args)) == ([], []) and out.is_dir() and os.listdir(out) == []
 
 
 # --- item 4: no silent overwrite ---------------------------------------------------------------------
@@ -428,7 +429,7 @@ def test_only_temp_files_of_writers_that_are_gone_are_removed_and_only_by_the_ow
 
 
 def test_a_save_names_its_writer_in_the_temp_file():
-    from utils.files import WRITER, temp_prefix, writer_gone
+    from utils.run.files import WRITER, temp_prefix, writer_gone
     match = WRITER.match(temp_prefix() + "x1y2z3-checkpoint.pth.tar")
     assert match and int(match.group(1)) == os.getpid()
     assert not writer_gone(temp_prefix() + "x1y2z3-checkpoint.pth.tar")  # this process runs
@@ -468,8 +469,8 @@ def test_resuming_an_older_checkpoint_keeps_a_better_model_best(first_run, tmp_p
 def test_a_failed_model_best_write_leaves_checkpoint_at_the_epoch_before(tmp_path):
     """model_best.pth.tar is written first: when it cannot be (here a folder holds its name),
     checkpoint.pth.tar is still the previous epoch's, the one summary.csv ends with."""
-    from utils.checkpoint import save_checkpoint
-    from utils.errors import WriteError
+    from utils.run.checkpoint import save_checkpoint
+    from utils.run.errors import WriteError
     save_checkpoint({"epoch": 1, "step": 0}, False, tmp_path)
     (tmp_path / "model_best.pth.tar").mkdir()
     (tmp_path / "model_best.pth.tar" / "something").write_text("x")

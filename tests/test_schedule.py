@@ -3,18 +3,25 @@ import argparse
 
 import pytest
 
-from utils.cli import build_parser
-from utils.engine import learning_rate
-from utils.errors import UsageError
-from utils.setup import parse_args
+from utils.engine import learning_rate as engine_learning_rate
+from utils.flags.parser import build_parser
+from utils.flags.precedence import parse_args
+from utils.flags.specs import training_loop
+from utils.run.errors import UsageError
 
 
 def parse(*argv):
     return parse_args(build_parser("test"), list(argv))
 
 
+def learning_rate(args, *where):
+    """utils.engine.learning_rate of the schedule the flags in args make."""
+    return engine_learning_rate(training_loop(args, criterion=None).schedule, *where)
+
+
 def schedule(lr_steps, warmup_epochs=0, epochs=90, lr_schedule="step"):
-    return argparse.Namespace(lr=0.1, lr_schedule=lr_schedule, lr_steps=lr_steps,
+    return argparse.Namespace(lr=0.1, lr_schedule=lr_schedule, lr_steps=lr_steps, min_lr=0.0, batch_size=256,
+                              seed=0, print_freq=10, accum_steps=1, steps_per_epoch=0, max_nonfinite_steps=None,
                               warmup_epochs=warmup_epochs, epochs=epochs)
 
 

@@ -8,21 +8,20 @@ import sys
 
 import pytest
 import torch
-
 from conftest import QUICK, ROOT, TIMEOUT, subprocess_env
 from test_train import usage_error  # noqa: F401  (fixture)
+
 from utils.compiled import compile_model, plain_module, resolve_compile
-from utils.errors import UsageError
-from utils.gpu_batches import HardwareJpeg, settle_jpeg_decoder
-from utils.setup import resolve_device_defaults
+from utils.data.gpu.decoders import HardwareJpeg, settle_jpeg_decoder
+from utils.flags.specs import device_settings
+from utils.run.errors import UsageError
 
 
 def resolved(device_type, **flags):
     args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False,
-                              jpeg_decoder="auto")
+                              compile_mode="default", jpeg_decoder="auto", deterministic=False)
     vars(args).update(flags)
-    resolve_device_defaults(args, device_type)
-    return args
+    return device_settings(args, device_type)
 
 
 def nvimgcodec_installed():
@@ -82,11 +81,11 @@ def test_flag_mistakes_exit_2(usage_error):  # noqa: F811
 
 
 def test_compile_mode_reaches_torch_compile():
-    args = argparse.Namespace(compile=True, compile_mode="max-autotune-no-cudagraphs")
-    assert resolve_compile(args) is None and args.compile == "inductor"
+    backend, mode, note = resolve_compile(True, "max-autotune-no-cudagraphs")
+    assert note is None and backend == "inductor"
     lines = []
     model = torch.nn.Linear(3, 2)
-    compiled = compile_model(model, args.compile, lines.append, args.compile_mode)
+    compiled = compile_model(model, backend, lines.append, mode)
     assert plain_module(compiled) is model and compiled._eval_mode == "max-autotune-no-cudagraphs"
     # other backends take no mode: it is dropped rather than refused by torch.compile
     assert compile_model(model, "eager", lines.append, "reduce-overhead")._eval_mode is None
@@ -94,14 +93,13 @@ def test_compile_mode_reaches_torch_compile():
 
 def test_a_resumed_runs_other_backend_is_kept_unless_accelerate_names_one(monkeypatch):
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
-    args = argparse.Namespace(compile="aot_eager", compile_mode="default")  # from the checkpoint
-    assert "backend aot_eager, as the resumed run" in resolve_compile(args) and args.compile == "aot_eager"
+    backend, _, note = resolve_compile("aot_eager", "default")  # from the checkpoint
+    assert "backend aot_eager, as the resumed run" in note and backend == "aot_eager"
     with pytest.raises(UsageError, match="compiled with backend 'fx2trt_missing'.*--compile True"):
-        resolve_compile(argparse.Namespace(compile="fx2trt_missing", compile_mode="default"))
+        resolve_compile("fx2trt_missing", "default")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")  # the launch's setting wins
-    args = argparse.Namespace(compile="aot_eager", compile_mode="default")
-    resolve_compile(args)
-    assert args.compile == "eager"
+    backend, _, _ = resolve_compile("aot_eager", "default")
+    assert backend == "eager"
 
 
 def test_accelerate_dynamo_mode_is_honoured(monkeypatch):
@@ -110,24 +108,23 @@ def test_accelerate_dynamo_mode_is_honoured(monkeypatch):
     is typed; a mode torch.compile does not know is a usage error."""
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "reduce-overhead")
-    args = argparse.Namespace(compile=False, compile_mode="default")
-    note = resolve_compile(args)
-    assert (args.compile, args.compile_mode) == ("inductor", "reduce-overhead")
+    backend, mode, note = resolve_compile(False, "default")
+    assert (backend, mode) == ("inductor", "reduce-overhead")
     assert "backend inductor, mode reduce-overhead, from Accelerate" in note
-    compiled = compile_model(torch.nn.Linear(3, 2), args.compile, print, args.compile_mode)
+    compiled = compile_model(torch.nn.Linear(3, 2), backend, print, mode)
     assert compiled._eval_mode == "reduce-overhead"
-    args = argparse.Namespace(compile=True, compile_mode="max-autotune")  # typed: it wins
-    resolve_compile(args)
-    assert args.compile_mode == "max-autotune"
+    _, mode, _ = resolve_compile(True, "max-autotune")  # typed: it wins
+    assert mode == "max-autotune"
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "turbo")
     with pytest.raises(UsageError, match="dynamo_mode 'turbo' is not a torch.compile mode"):
-        resolve_compile(argparse.Namespace(compile=False, compile_mode="default"))
+        resolve_compile(False, "default")
 
 
 WORK_QUEUES_PROBE = """
 import os, sys
-from utils.cli import build_parser
-from utils.setup import make_accelerator, parse_args
+from utils.flags.parser import build_parser
+from utils.device import make_accelerator
+from utils.flags.precedence import parse_args
 make_accelerator(parse_args(build_parser("probe"), sys.argv[1:]))
 print("queues", os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
 """

@@ -9,8 +9,10 @@ SCRIPTS = ("train.py", "eval.py", "profile.py")
 
 
 def project_modules():
-    """{module name: parsed tree} for utils/*.py ('utils.data') and the three scripts ('train')."""
-    paths = sorted(glob.glob(os.path.join(ROOT, "utils", "*.py"))) + [os.path.join(ROOT, s) for s in SCRIPTS]
+    """{module name: parsed tree} for utils/**/*.py ('utils.data.crops', 'utils.run' for its
+    __init__) and the three scripts ('train')."""
+    paths = sorted(glob.glob(os.path.join(ROOT, "utils", "**", "*.py"), recursive=True))
+    paths += [os.path.join(ROOT, s) for s in SCRIPTS]
     modules = {}
     for path in paths:
         name = os.path.splitext(os.path.relpath(path, ROOT))[0].replace(os.sep, ".")
@@ -21,7 +23,7 @@ def project_modules():
 
 def imported_modules(name, tree, known):
     """Project modules that `name` imports anywhere in its body (function-level imports too)."""
-    package = name if name == "utils" else name.rpartition(".")[0]
+    package = name if name in PACKAGES else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -36,6 +38,9 @@ def imported_modules(name, tree, known):
             continue
         found.update(target for target in targets if target in known and target != name)
     return found
+
+
+PACKAGES = {"utils", "utils.flags", "utils.data", "utils.data.gpu", "utils.run"}
 
 
 def import_graph():
@@ -69,14 +74,18 @@ def find_cycle(graph):
 
 def test_the_graph_sees_the_imports_it_must_see():
     graph = import_graph()
-    assert "utils.batches" in graph["utils.hf_data"]      # module level, relative
-    assert "utils.hf_data" in graph["utils.cli"]          # function level (source_kind)
-    assert "utils.data" in graph["train"]                 # absolute, from a script
-    # the batch path leans only on leaves (utils.preemption: its loader workers ignore stop signals)
-    assert not graph["utils.batches"] - {"utils.errors", "utils.files", "utils.preemption", "utils.crops", "utils.gpu_batches",
-                                         "utils.recipe"}, graph["utils.batches"]
-    assert not graph["utils.recipe"] - {"utils.errors"}, graph["utils.recipe"]  # --aa's PIL policy: a leaf too
-    assert not graph["utils.preemption"] - {"utils.errors"}, graph["utils.preemption"]
+    assert "utils.data.batches" in graph["utils.data.sources"]  # module level
+    assert "utils.training_state" in graph["utils.flags.specs"]  # function level
+    assert "utils.data.sources" in graph["train"]              # from a script
+    # the batch path leans only on leaves (utils.run.preemption: its loader workers ignore stop signals)
+    leaves = {"utils.run.errors", "utils.run.files", "utils.run.preemption", "utils.data.crops", "utils.ingredients"}
+    gpu = {name for name in graph if name.startswith("utils.data.gpu")}
+    assert not graph["utils.data.batches"] - leaves - gpu, graph["utils.data.batches"]
+    assert not graph["utils.ingredients"] - {"utils.run.errors"}, graph["utils.ingredients"]  # --aa's PIL policy: a leaf
+    assert not graph["utils.run.preemption"] - {"utils.run.errors"}, graph["utils.run.preemption"]
+    # rooms: nothing in utils.data or utils.run reaches up into the flags
+    assert not {name for name in graph if name.startswith(("utils.data", "utils.run"))
+                and any(t.startswith("utils.flags") for t in graph[name])}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 

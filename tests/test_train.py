@@ -4,12 +4,12 @@ import re
 
 import pytest
 import torch
-
 from conftest import FINAL, HALF_QUICK, HALF_TINY, QUICK, make_image_folder, run_script
-from utils.checkpoint import save_checkpoint
-from utils.cli import add_log_args, build_parser, idle_flag_notes, typed_dests
-from utils.errors import exit_on_usage_error
-from utils.setup import parse_args
+
+from utils.flags.parser import add_log_args, build_parser, idle_flag_notes, typed_dests
+from utils.flags.precedence import parse_args
+from utils.run.checkpoint import save_checkpoint
+from utils.run.errors import exit_on_usage_error
 
 APEX_LINE = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\]\tTime [\d.]+ \([\d.]+\)\tSpeed [\d.]+ \([\d.]+\)\t"
                        r"Loss ([\d.]+) \([\d.]+\)\tPrec@1 ([\d.]+) \([\d.]+\)\tPrec@5 ([\d.]+) \([\d.]+\)")
@@ -173,7 +173,7 @@ def test_apex_spellings_parse():
     assert parser.parse_args(["--channels-last", "False"]).channels_last is False
     assert parser.parse_args(["--channels-last", "True"]).channels_last is True
     assert parser.parse_args(["--channels-last"]).channels_last is True
-    assert parser.parse_args([]).channels_last is None  # resolved per device (utils.setup.resolve_device_defaults)
+    assert parser.parse_args([]).channels_last is None  # resolved per device (utils.device.resolve_device_defaults)
     assert parser.parse_args(["--local-rank", "3"]).local_rank == 3
     assert parser.parse_args(["--local_rank", "1"]).local_rank == 1
     args = parser.parse_args(["--opt-level", "O2", "--keep-batchnorm-fp32", "False", "--loss-scale", "128.0",

@@ -22,10 +22,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
-from utils.checkpoint import checkpoint_weights, load_checkpoint  # noqa: E402
-from utils.cli import OneLineErrorParser  # noqa: E402
-from utils.errors import UsageError, exit_on_usage_error  # noqa: E402
-from utils.files import atomic_write, output_file_problem  # noqa: E402
+from utils.flags.parser import OneLineErrorParser  # noqa: E402
+from utils.run.checkpoint import checkpoint_weights, load_checkpoint  # noqa: E402
+from utils.run.errors import UsageError, exit_on_usage_error  # noqa: E402
+from utils.run.files import atomic_write, output_file_problem  # noqa: E402
 
 # Wrappers whose attribute name ends up in front of every key: DDP, torch.compile's OptimizedModule.
 PREFIXES = ("module.", "_orig_mod.")

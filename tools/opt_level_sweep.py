@@ -6,7 +6,7 @@ Two sets of configs (--set):
     one epoch of --steps steps (default 200) each:
     tools/opt_level_sweep.py DATA --steps 200 --out-dir sweep -- -a resnet50 -b 256 -j 16
   accuracy: O0 once, then O1, O2 and O3 + keep-BN in fp16 and in bf16 (7 configs), each trained
-    the same recipe for --epochs full epochs (--steps, if given, caps the steps an epoch):
+    the same way for --epochs full epochs (--steps, if given, caps the steps an epoch):
     tools/opt_level_sweep.py /tmp/fake --set accuracy --epochs 8 --out-dir levels -- -a resnet18 -b 256 -j 8 --image-size 128 --lr-schedule cosine
 
 --configs picks some configs of the set by name, e.g. --configs "O0,O2 bf16". Everything after
@@ -27,7 +27,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
-from utils.files import atomic_write, atomic_write_csv  # noqa: E402
+from utils.run.files import atomic_write, atomic_write_csv  # noqa: E402
 
 KEYS = ["config", "img/s", "first loss", "last loss", "skipped", "scale", "top1", "top5", "best top1", "recipe"]
 SPEED = {
@@ -66,7 +66,7 @@ def run(name, flags, data, epochs, steps, extra, out_dir):
         why = (result.stderr.strip().splitlines() or ["no training log lines"])[-1]
         return {"config": name, "error": f"exit code {result.returncode}: {why}"}
     return {"config": name, **speed_and_loss(lines), **scale_fields(result.stdout),
-            **accuracy(result.stdout), "recipe": recipe_line(result.stdout)}
+            **accuracy(result.stdout), "recipe": precision_line(result.stdout)}
 
 
 def speed_and_loss(lines):
@@ -92,12 +92,13 @@ def accuracy(stdout):
     return {"top1": finals[-1][0], "top5": finals[-1][1], "best top1": max(top1 for top1, _ in finals)}
 
 
-def recipe_line(stdout):
+def precision_line(stdout):
+    """train.py's `precision: ...` start-up line (the table's column keeps its first name, recipe)."""
     return next((l[len("precision: "):] for l in stdout.splitlines() if l.startswith("precision: ")), "-")
 
 
 def cell(value):
-    """A Markdown table cell: a `|` inside (the recipe line holds some) would split the cell."""
+    """A Markdown table cell: a `|` inside (the precision line holds some) would split the cell."""
     return str(value).replace("|", "\\|")
 
 

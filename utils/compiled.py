@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from .cli import COMPILE_MODES
-from .errors import UsageError
+from utils.flags.parser import COMPILE_MODES
+from utils.run.errors import UsageError
 
 DEFAULT_BACKEND = "inductor"
 
@@ -31,18 +31,17 @@ def accelerate_dynamo_backend():
     return None if value in ("", "no", "none") else value
 
 
-def resolve_compile(args):
-    """Settle args.compile to a backend name or False; returns a note for the user or None."""
+def resolve_compile(requested, mode="default"):
+    """What --compile and --compile-mode come to: (backend name or False, mode, a note for the user
+    or None). requested is --compile as parsed: True/False, or a resumed run's backend name."""
     from_accelerate = accelerate_dynamo_backend()
-    mode = getattr(args, "compile_mode", "default")
-    if mode != "default" and not (args.compile or from_accelerate):
+    if mode != "default" and not (requested or from_accelerate):
         raise UsageError(f"--compile-mode {mode} needs --compile; add it or drop --compile-mode")
     # A resumed run that Accelerate's setting compiled with another backend keeps it, also when
     # resumed without that setting (it went on with inductor before).
-    resumed = args.compile if isinstance(args.compile, str) and args.compile != DEFAULT_BACKEND else None
+    resumed = requested if isinstance(requested, str) and requested != DEFAULT_BACKEND else None
     if not (from_accelerate or resumed):
-        args.compile = DEFAULT_BACKEND if args.compile else False
-        return None
+        return (DEFAULT_BACKEND if requested else False), mode, None
     # Every registered backend: list_backends() alone hides those tagged debug, and so refused
     # Accelerate's EAGER and AOT_EAGER, which torch.compile takes.
     backends = torch._dynamo.list_backends(exclude_tags=())
@@ -50,11 +49,11 @@ def resolve_compile(args):
         if resumed not in backends:
             raise UsageError(f"--resume: the run was compiled with backend {resumed!r}, which torch.compile "
                              "here lacks; add --compile True (inductor) or --compile False")
-        return f"torch.compile with backend {resumed}, as the resumed run was compiled (compiled once, by this script)"
+        return resumed, mode, (f"torch.compile with backend {resumed}, as the resumed run was compiled "
+                               "(compiled once, by this script)")
     if from_accelerate not in backends:
         raise UsageError(f"Accelerate's dynamo_backend {from_accelerate!r} is not a torch.compile backend "
                          f"here ({', '.join(backends)}); fix the config or drop it")
-    args.compile = from_accelerate
     # `accelerate launch --dynamo_mode` (the yaml's dynamo_mode) comes with the backend; a typed
     # --compile-mode wins over it.
     accelerate_mode = os.environ.get("ACCELERATE_DYNAMO_MODE", "").strip().lower() or "default"
@@ -62,10 +61,10 @@ def resolve_compile(args):
         if accelerate_mode not in COMPILE_MODES:
             raise UsageError(f"Accelerate's dynamo_mode {accelerate_mode!r} is not a torch.compile mode "
                              f"({', '.join(COMPILE_MODES)}); fix the config or drop it")
-        args.compile_mode = mode = accelerate_mode
+        mode = accelerate_mode
     with_mode = f", mode {mode}" if mode != "default" and from_accelerate == DEFAULT_BACKEND else ""
-    return (f"torch.compile with backend {from_accelerate}{with_mode}, from Accelerate's dynamo_backend setting "
-            "(compiled once, by this script)")
+    return from_accelerate, mode, (f"torch.compile with backend {from_accelerate}{with_mode}, from Accelerate's "
+                                   "dynamo_backend setting (compiled once, by this script)")
 
 
 def compile_model(model, backend, log, mode="default"):

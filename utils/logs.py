@@ -21,8 +21,8 @@ import io
 import os
 import sys
 
-from .errors import UsageError
-from .files import atomic_write
+from utils.run.errors import UsageError
+from utils.run.files import atomic_write
 
 PROJECT = "imagenet-amp"  # the TensorBoard run folder and the W&B project
 SUMMARY_COLUMNS = ("epoch", "train_loss", "train_top1", "val_loss", "top1", "top5", "lr", "img_per_s",
@@ -30,22 +30,23 @@ SUMMARY_COLUMNS = ("epoch", "train_loss", "train_top1", "val_loss", "top1", "top
 TRACKERS = {"none": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",), "all": ("tensorboard", "wandb")}
 
 
-def tracker_kwargs(args):
-    """Accelerator(...) arguments for --log-with: the trackers, and where TensorBoard writes.
+def tracker_kwargs(log_with, output_dir):
+    """Accelerator(...) arguments for --log-with (a TRACKERS key): the trackers, and where
+    TensorBoard writes (under --output-dir).
 
     Accelerate silently drops a tracker whose package is missing, so check first and say so.
     """
-    names = TRACKERS[getattr(args, "log_with", "none")]
+    names = TRACKERS[log_with]
     if not names:
         return {}
     from accelerate.utils import ProjectConfiguration, is_tensorboard_available, is_wandb_available
 
     if "tensorboard" in names and not is_tensorboard_available():
-        raise UsageError(f"--log-with {args.log_with} needs TensorBoard: pip install tensorboard")
+        raise UsageError(f"--log-with {log_with} needs TensorBoard: pip install tensorboard")
     if "wandb" in names and not is_wandb_available():
-        raise UsageError(f"--log-with {args.log_with} needs Weights & Biases: pip install wandb (and set "
+        raise UsageError(f"--log-with {log_with} needs Weights & Biases: pip install wandb (and set "
                          "WANDB_MODE=offline to log without network), or use --log-with tensorboard")
-    config = ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs"))
+    config = ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "runs"))
     return {"log_with": list(names), "project_config": config}
 
 
@@ -120,51 +121,53 @@ class RunLog:
     resumed run keeps the rows of the epochs before --start-epoch: the CSV and curves cover the
     whole run.
 
-    resolved: what the run decided where a flag was left out (the opt level and dtype of the
-    recipe, the data's class count, 'digits' for no DATA); args.yaml and the trackers record these
-    rather than the flags' None.
+    output_dir: the run directory (--output-dir). settings: what args.yaml and the trackers record,
+    every setting of the run: the flags as resumed (--start-epoch included), then what the run
+    decided where a flag was left out (the opt level and dtype of the precision plan, the data's
+    class count, 'digits' for no DATA) rather than the flags' None. title: curves.png's.
+    start_epoch and resume (--resume's checkpoint, or ""): where a resumed run's earlier rows come
+    from. trackers: --log-with named any (the Accelerator already holds them: tracker_kwargs).
     """
 
-    def __init__(self, args, accelerator, resolved=None, active=True):
+    def __init__(self, accelerator, output_dir, settings, *, title="", start_epoch=0, resume="",
+                 trackers=False, active=True):
         self.accelerator = accelerator
         self.active = active and accelerator.is_main_process  # active=False: a run that logs nothing (--prof)
-        self.args = args
-        self.resolved = dict(resolved or {})
+        self.settings = dict(settings)
         self.rows = []
         self.started = False
         self.can_draw = True
         if not self.active:
             return
-        self.dir = args.output_dir
+        self.dir = output_dir
         self.summary = os.path.join(self.dir, "summary.csv")
         self.curves = os.path.join(self.dir, "curves.png")
-        self.title = f"{args.arch} on {args.data or 'digits'}"
-        if args.start_epoch > 0:
-            self.rows = [row for row in read_summary(self.history()) if row["epoch"] < args.start_epoch]
-        if getattr(args, "log_with", "none") != "none":
+        self.title = title
+        if start_epoch > 0:
+            self.rows = [row for row in read_summary(self.history(resume)) if row["epoch"] < start_epoch]
+        if trackers:
             os.makedirs(self.dir, exist_ok=True)  # wandb.init(dir=...) wants it to exist
             # TensorBoard's hparams take only numbers, text and booleans
             config = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
-                      for name, value in self.settings().items()}
+                      for name, value in self.settings.items()}
             accelerator.init_trackers(PROJECT, config=config, init_kwargs={"wandb": {"dir": self.dir}})
 
-    def history(self):
+    def history(self, resume):
         """The summary.csv holding the epochs before a resumed one: this run directory's, or, for a
         checkpoint resumed from another directory into a new --output-dir, the one beside the
         checkpoint (else the new directory's summary.csv would start at the resumed epoch)."""
-        resume = getattr(self.args, "resume", "")
         if os.path.isfile(self.summary) or not resume:
             return self.summary
         return os.path.join(os.path.dirname(os.path.abspath(resume)), "summary.csv")
 
     def epoch(self, epoch, train, val, optimizer, ema=None):
         """Record one epoch: train, val (and ema, the --model-ema validation, else None) are
-        utils.engine.EpochResult."""
+        utils.meters.EpochResult."""
         if not self.active:
             return
         if not self.started:
             os.makedirs(self.dir, exist_ok=True)
-            write_args_yaml(self.settings(), os.path.join(self.dir, "args.yaml"))
+            write_args_yaml(self.settings, os.path.join(self.dir, "args.yaml"))
             self.started = True
         row = {"epoch": epoch, "train_loss": train.loss, "train_top1": train.top1, "val_loss": val.loss,
                "top1": val.top1, "top5": val.top5, "lr": optimizer.param_groups[0]["lr"],
@@ -182,10 +185,6 @@ class RunLog:
         if ema is not None:
             values.update({"val/ema_top1": ema.top1, "val/ema_top5": ema.top5})
         self.accelerator.log(values, step=epoch)
-
-    def settings(self):
-        """Every setting of the run: the flags (as resumed: --start-epoch included), then what was resolved."""
-        return {**vars(self.args), **self.resolved}
 
     def draw(self):
         if not self.rows or not self.can_draw:

@@ -5,7 +5,7 @@ import os
 import torch
 from torch import nn
 
-from .errors import UsageError, first_line
+from utils.run.errors import UsageError, first_line
 
 REFUSED = {
     "inception_v3": "inception_v3 needs 299 px crops and auxiliary logits in training, which this "
@@ -226,7 +226,7 @@ def model_data_config(arch):
 
     A timm model's own config (e.g. 160 px, crop 0.95, bilinear, mean/std 0.5 for test_resnet),
     so pretrained weights see the input they were trained on. train.py and eval.py both get it
-    through utils.setup.parse_args -> utils.cli.apply_source_defaults; a flag given on the
+    through utils.flags.precedence.parse_args -> apply_source_defaults; a flag given on the
     command line wins. timm's crop_mode 'squash' is not reproduced (we always resize the short side).
     """
     config = timm_data_config(arch)

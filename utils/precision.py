@@ -1,7 +1,7 @@
-"""Apex opt levels (O0..O3) as recipes over the half dtype that Accelerate's mixed_precision names.
+"""Apex opt levels (O0..O3) as precision plans over the half dtype that Accelerate's mixed_precision names.
 
 Accelerate decides *which* half dtype (fp16 or bf16, from the launch config, the environment or
---mixed-precision); the recipe decides *how* it is used: autocast (O1), a half model with fp32
+--mixed-precision); the plan decides *how* it is used: autocast (O1), a half model with fp32
 BatchNorm and fp32 master weights (O2), or a pure half model (O3), and how the loss is scaled.
 
 Non-finite steps never sync with the host: the inf/NaN check of the grads (unscaling them where
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import UsageError
+from utils.run.errors import UsageError
 
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DYNAMIC_INIT_SCALE = 2.0 ** 16
@@ -61,7 +61,7 @@ OPT_LEVELS = {
 
 
 @dataclass(frozen=True)
-class Recipe:
+class PrecisionPlan:
     opt_level: str          # O0 | O1 | O2 | O3, a key of OPT_LEVELS
     dtype_name: str         # 'no' (fp32, O0 only) | 'fp16' | 'bf16'
     keep_bn_fp32: bool      # only meaningful where the weights are half (O2/O3)
@@ -119,10 +119,10 @@ def requested_mixed_precision(flag_value):
     return None, None
 
 
-def resolve_recipe(opt_level, keep_bn_fp32, loss_scale, mixed_precision, mp_source=None):
-    """Turn the Apex flags plus Accelerate's mixed_precision into a Recipe, reading OPT_LEVELS.
+def resolve_precision(opt_level, keep_bn_fp32, loss_scale, mixed_precision, mp_source=None):
+    """Turn the Apex flags plus Accelerate's mixed_precision into a PrecisionPlan, reading OPT_LEVELS.
 
-    Returns (recipe, notes): notes are warnings for the user (flags with no effect and why).
+    Returns (plan, notes): notes are warnings for the user (flags with no effect and why).
     Raises UsageError for combinations Apex refused too.
     """
     notes = []
@@ -141,7 +141,7 @@ def resolve_recipe(opt_level, keep_bn_fp32, loss_scale, mixed_precision, mp_sour
             notes.append(f"--keep-batchnorm-fp32 has no effect at {opt_level} (everything is fp32); ignored")
         if loss_scale is not None:
             notes.append(f"--loss-scale {loss_scale} has no effect in fp32 ({opt_level}); not applied")
-        return Recipe(opt_level, "no", level.keep_bn_fp32, None), notes
+        return PrecisionPlan(opt_level, "no", level.keep_bn_fp32, None), notes
 
     if mixed_precision == "no" and mp_source == "--mixed-precision":
         raise UsageError(f"--mixed-precision no contradicts --opt-level {opt_level}; drop one of them "
@@ -153,7 +153,7 @@ def resolve_recipe(opt_level, keep_bn_fp32, loss_scale, mixed_precision, mp_sour
     keep_bn = level.keep_bn_fp32 if keep_bn_fp32 is None else keep_bn_fp32
     default_scale = level.loss_scale_fp16 if dtype_name == "fp16" else level.loss_scale_bf16
     scale = default_scale if loss_scale is None else loss_scale
-    return Recipe(opt_level, dtype_name, keep_bn, scale), notes
+    return PrecisionPlan(opt_level, dtype_name, keep_bn, scale), notes
 
 
 def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
@@ -166,14 +166,14 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
-def cpu_fp16_note(recipe, device_type):
+def cpu_fp16_note(plan, device_type):
     """Accelerate alone silently trains fp16 runs in fp32 on a CPU; say what happens here instead.
 
     Half precision pays on a CPU only with native bf16 instructions (AVX512_BF16, AMX): on a
     2-core AVX-512 Xeon without them a ResNet-18 step took 2.3x longer in bf16 autocast than in
     fp32 (docs/precision.md), so the advice depends on the CPU.
     """
-    if device_type == "cuda" or recipe.dtype_name != "fp16":
+    if device_type == "cuda" or plan.dtype_name != "fp16":
         return None
     note = ("fp16 on a machine without CUDA: running real fp16 on the CPU through torch's CPU kernels "
             "(slow; Accelerate alone would silently use fp32). ")
@@ -322,28 +322,28 @@ def clip_grad_norm_fp32(params, max_norm):
 
 
 class Precision:
-    """Applies a Recipe to a model and runs backward/step the way the recipe says."""
+    """Applies a PrecisionPlan to a model and runs backward/step the way the plan says."""
 
-    def __init__(self, recipe, model, device_type):
-        self.recipe = recipe
+    def __init__(self, plan, model, device_type):
+        self.plan = plan
         self.device_type = device_type
         device = next(model.parameters()).device
-        self.scaler = LossScaler(recipe.loss_scale, device) if recipe.loss_scale is not None else None
+        self.scaler = LossScaler(plan.loss_scale, device) if plan.loss_scale is not None else None
         # Counts skipped and in-a-row non-finite steps at every level: the scaler, or a plain check.
         self.guard = self.scaler if self.scaler is not None else NonFiniteCheck(device)
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         # O2 masters are copied before the cast, so they keep every fp32 bit (e.g. after a resume).
         fp32_copies = ({p: p.detach().clone().float().requires_grad_(True) for p in self.model_params}
-                       if recipe.master_weights else {})
-        if recipe.half_weights:
-            cast_model(model, recipe.half_dtype, recipe.keep_bn_fp32)
-            half = recipe.half_dtype
+                       if plan.master_weights else {})
+        if plan.half_weights:
+            cast_model(model, plan.half_dtype, plan.keep_bn_fp32)
+            half = plan.half_dtype
             # Inputs in half for the half model; logits back in fp32 so the loss is computed in fp32.
             model.register_forward_pre_hook(lambda module, args: _cast_floats(args, half))
             model.register_forward_hook(lambda module, args, output: _cast_floats(output, torch.float32))
         # O2: fp32 masters for the half params; fp32 params (kept BatchNorm) are their own masters.
         self.master_of = {p: copy for p, copy in fp32_copies.items() if p.dtype != torch.float32}
-        # Set by utils.setup.build_training_state from the recipe flags:
+        # Set by utils.training_state.build_training_state from the ingredient flags:
         self.clip_grad = None          # --clip-grad: max global grad norm, clipped after unscaling
         self.skips_on_device = True    # False for an optimizer that ignores found_inf (timm's Lamb)
         self.ema = None                # --model-ema: timm ModelEmaV3 over the fp32 weights
@@ -353,8 +353,8 @@ class Precision:
         return [self.master_of.get(p, p) for p in self.model_params]
 
     def autocast(self):
-        if self.recipe.autocast:
-            return torch.autocast(self.device_type, dtype=self.recipe.half_dtype)
+        if self.plan.autocast:
+            return torch.autocast(self.device_type, dtype=self.plan.half_dtype)
         return contextlib.nullcontext()
 
     def backward(self, loss, accelerator):
@@ -400,8 +400,8 @@ class Precision:
         """--model-ema: move the EMA towards the fp32 weights (the masters at O2) after a step. A
         skipped step leaves the weights as they were, so the EMA only moves towards the same point."""
         if self.ema is not None:
-            from .compiled import plain_module
-            from .recipe import update_ema
+            from utils.compiled import plain_module
+            from utils.ingredients import update_ema
             update_ema(self.ema, plain_module(model), self.master_of)
 
     def zero_grad(self, model, optimizer):
@@ -460,17 +460,3 @@ class Precision:
     def load_state_dict(self, state):
         if state:
             self.guard.load_state_dict(state)
-
-
-def build_sgd(params, lr, momentum, weight_decay):
-    """Fused SGD (it honours the on-device found_inf flag), with momentum buffers made up front.
-
-    The fused kernel starts a momentum buffer from the first grad it applies; if that first step
-    is an overflow skip, the buffer would be left uninitialised. Zero buffers are equivalent
-    (momentum*0 + grad) and keep a skipped first step harmless.
-    """
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, fused=True)
-    if momentum:
-        for param in params:
-            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return optimizer

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .files import atomic_write
+from utils.run.files import atomic_write
 
 STEP_RANGE = "Body of iteration {}"
 DATA_RANGE = "prefetcher.next()"   # the engine's names for its ranges (Apex's NVTX names)
@@ -313,12 +313,12 @@ class TimedLoader:
 def time_data_wait(train, phases):
     """Split the loop's data phase into the wait for a host batch and the host-to-device step.
 
-    utils/batches.py DevicePrefetcher takes a host batch from its DataLoader and copies it to the
+    utils/data/batches.py DevicePrefetcher takes a host batch from its DataLoader and copies it to the
     device inside one next(), which the loop times as a whole. Wrapping the DataLoader it holds
     (its .loader) gives the wait a nested range of its own, so profiling needs no hook in the data
     code and a normal run pays nothing. Returns False for sources with no host loader (synthetic
     data is made on the device) and for the gpu backend's GpuBatches when threads read its loader
-    (utils/gpu_batches.py): ranges opened there would land in another thread's timing; the whole
+    (utils/data/gpu/pipeline.py): ranges opened there would land in another thread's timing; the whole
     next() is then the wait for a decoded batch (host-to-device 0).
     """
     loader = getattr(train, "loader", None)
