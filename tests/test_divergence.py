@@ -118,7 +118,7 @@ def test_unscaled_levels_skip_and_count_nonfinite_steps(accelerator, level, dtyp
 
 
 def test_unscaled_check_leaves_finite_grads_as_they_are():
-    from utils.precision import NonFiniteCheck
+    from utils.loss_scale import NonFiniteCheck
 
     grads = [torch.randn(5, 3), torch.randn(7)]
     copies = [g.clone() for g in grads]
@@ -127,7 +127,7 @@ def test_unscaled_check_leaves_finite_grads_as_they_are():
 
 
 def test_dynamic_scale_below_the_floor_is_divergence(accelerator):
-    from utils.precision import DYNAMIC_MIN_SCALE
+    from utils.loss_scale import DYNAMIC_MIN_SCALE
 
     model, precision, optimizer = setup("O1", "fp16", loss_scale="dynamic")
     for _ in range(29):  # 2**16 halved 29 times: 2**-13, still above the floor

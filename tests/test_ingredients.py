@@ -12,7 +12,8 @@ from torch import nn
 from utils.engine import Watch, train_one_epoch
 from utils.flags.specs import training_loop, training_specs
 from utils.ingredients import BatchAugment, build_criterion, build_mixup, build_optimizer
-from utils.precision import Precision, clip_grad_norm_fp32, resolve_precision
+from utils.loss_scale import clip_grad_norm_fp32
+from utils.precision import Precision, resolve_precision
 from utils.run.errors import UsageError
 from utils.training_state import TrainingState
 

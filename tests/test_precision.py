@@ -264,7 +264,7 @@ def test_o2_masters_keep_the_fp32_bits_they_were_built_from():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_portable_unscale_matches_the_fused_kernel(dtype):
     """The fallback used where torch's fused kernel lacks a dtype (bf16 on CUDA) agrees with it."""
-    from utils.precision import unscale_and_check_foreach
+    from utils.loss_scale import unscale_and_check_foreach
     inv_scale = torch.full((), 1 / 128.0)
     for poison in (None, float("inf"), float("nan")):
         torch.manual_seed(0)

@@ -4,6 +4,7 @@
                       (defaults < checkpoint < --config < typed), specs.py (the scripts' edge: flags
                       become each concern's frozen spec; nothing below reads `args`)
     precision.py      OPT_LEVELS, the literal opt-level table; PrecisionPlan and the Precision shim
+    loss_scale.py     the loss scale and the non-finite check, on the device; the fp32-summed clip
     device.py         the Accelerator, determinism, CUDA work queues, what the device settles
     training_state.py model + precision + optimizer, built fresh or resumed, and the resume checks
     engine.py         train_one_epoch and validate, the LR schedule

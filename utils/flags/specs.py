@@ -3,15 +3,23 @@
 Nothing below the scripts reads `args`; the scripts call these once, after parsing, and hand
 the specs down. One section per concern.
 """
+from utils.compiled import resolve_compile
+from utils.data.backend import choose_backend
+from utils.data.batches import IMAGENET_MEAN, IMAGENET_STD
+from utils.data.sources import DataSpec, source_kind
+from utils.device import DeviceSettings, PrecisionFlags, settle_channels_last
+from utils.engine import Loop, Schedule
+from utils.ingredients import BatchIngredients
+from utils.precision import MAX_NONFINITE_STEPS
+from utils.run.directory import RunDir
+from utils.training_state import ModelSpec, OptimizerSpec, ResumeSpec
 
 
 # --- The run directory (utils/run/directory.py) ---------------------------------------------------
 
 def run_dir_spec(args):
     """train.py's --output-dir, --resume, --overwrite, -e and --prof, as the output directory's checks
-    read them (imported here: each section keeps its imports, so sections are added independently)."""
-    from utils.run.directory import RunDir
-
+    read them."""
     return RunDir(path=args.output_dir, resume=args.resume, overwrite=args.overwrite,
                   writes_nothing=args.evaluate or args.prof >= 0)
 
@@ -20,20 +28,17 @@ def run_dir_spec(args):
 # (utils.device, utils.engine, utils.training_state, utils.ingredients)
 
 def precision_flags(args):
-    from utils.device import PrecisionFlags
+    """utils.device.PrecisionFlags: the Apex precision flags as typed."""
     return PrecisionFlags(args.opt_level, args.keep_batchnorm_fp32, args.loss_scale, args.mixed_precision)
 
 
 def batch_ingredients(args):
-    from utils.ingredients import BatchIngredients
+    """utils.ingredients.BatchIngredients: the batch-level ingredient flags."""
     return BatchIngredients(args.reprob, args.mixup, args.cutmix, args.mixup_switch_prob, args.label_smoothing)
 
 
 def training_loop(args, criterion, augment=None):
     """utils.engine.Loop: the schedule and how the steps run."""
-    from utils.engine import Loop, Schedule
-    from utils.precision import MAX_NONFINITE_STEPS
-
     schedule = Schedule(args.lr, args.epochs, args.lr_schedule, tuple(args.lr_steps or ()), args.min_lr,
                         args.warmup_epochs)
     return Loop(schedule, args.batch_size, args.seed, args.print_freq, criterion, augment, args.accum_steps,
@@ -43,7 +48,6 @@ def training_loop(args, criterion, augment=None):
 def training_specs(args, *, channels_last, compile, only_sgd=False):
     """(ModelSpec, OptimizerSpec, ResumeSpec) for utils.training_state.build_or_resume; channels_last
     and compile as settled for this device (utils.device.settle_channels_last, utils.compiled)."""
-    from utils.training_state import ModelSpec, OptimizerSpec, ResumeSpec
     model = ModelSpec(args.arch, args.pretrained, args.drop_path, args.image_size, channels_last, args.sync_bn,
                       compile, args.compile_mode, args.seed)
     optimizer = OptimizerSpec(args.opt, args.lr, args.momentum, args.weight_decay, args.no_wd_norm_bias,
@@ -56,11 +60,6 @@ def training_specs(args, *, channels_last, compile, only_sgd=False):
 def device_settings(args, device_type):
     """utils.device.DeviceSettings: --channels-last, --data-backend, --jpeg-decoder, --compile and
     --compile-mode as this device settles them, and the start-up line that says what was chosen."""
-    from utils.compiled import resolve_compile
-    from utils.data.backend import choose_backend
-    from utils.data.sources import source_kind
-    from utils.device import DeviceSettings, settle_channels_last
-
     channels_last, layout = settle_channels_last(args.channels_last, args.arch, device_type)
     compile_backend, compile_mode, note = resolve_compile(args.compile, args.compile_mode)
     backend = choose_backend(source_kind(args.data), args.data_backend, args.jpeg_decoder, device_type,
@@ -76,9 +75,6 @@ def data_spec(args, *, backend, jpeg_decoder, channels_last):
     """utils.data.sources.DataSpec for build_data: the data flags as parsed (parse_args fills mean
     and std with the model's or ImageNet's); backend and jpeg_decoder as
     utils.data.backend.choose_backend settled them, channels_last as settled for this device."""
-    from utils.data.batches import IMAGENET_MEAN, IMAGENET_STD
-    from utils.data.sources import DataSpec
-
     return DataSpec(
         data=args.data, batch_size=args.batch_size, workers=args.workers, seed=args.seed,
         image_size=args.image_size, crop_pct=args.crop_pct, min_scale=args.min_scale, hflip=args.hflip,
