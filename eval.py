@@ -63,7 +63,7 @@ from utils.predictions import PredictionRecorder, write_predictions
 from utils.run.checkpoint import checkpoint_weights, load_checkpoint, load_model_weights
 from utils.run.directory import RUN_FILES
 from utils.run.errors import UsageError, exit_on_usage_error
-from utils.run.files import atomic_write, output_file_problem
+from utils.run.files import atomic_write, check_output_file, output_file_problem
 
 # Training settings eval.py inherits from the checkpoint when the command line leaves them out.
 # Not --channels-last: a memory layout for the device at hand (on by default on CUDA, off elsewhere),
@@ -90,8 +90,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagSafeHelpFormatter)
 
 def output_path(*extensions):
     """The argparse type of an output file: a name ending in one of extensions (the format follows
-    it) that can be written without harm (utils.run.files.output_file_problem), checked before any
-    work is done."""
+    it) that can be written without harm (utils.run.files.output_file_problem: not a run's file,
+    in a folder that takes a new file), checked before any work is done; a file already there is
+    refused without --overwrite (check_outputs)."""
     def check(text):
         if os.path.splitext(text)[1].lower() not in extensions:
             expected = " or ".join(extensions)
@@ -128,6 +129,9 @@ def build_eval_parser():
                        help="also write every val image's top-5 to PATH.csv: one row per image (index, "
                             "path, label and its name, 5 class indices, probabilities and names), "
                             "from all processes (default: none)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --results-file or --predictions file (default: refuse, "
+                            "naming it, before any work)")
     group.add_argument("-e", "--evaluate", action="store_true",
                        help="accepted for train.py command lines; eval.py always only evaluates")
     add_data_args(parser, training=False)
@@ -334,6 +338,9 @@ def check_outputs(args, checkpoint):
     if args.predictions and args.results_file and os.path.abspath(args.predictions) == os.path.abspath(args.results_file):
         raise UsageError(f"--results-file and --predictions name the same file {args.predictions!r}; the second "
                          "would replace the first: give two names")
+    for flag, path in (("--results-file", args.results_file), ("--predictions", args.predictions)):
+        if path:  # again now that --overwrite is known: a file already there is the user's
+            check_output_file(path, flag, args.overwrite, RUN_FILES)
 
 
 def start_lines(args, checkpoint, data, accelerator):

@@ -37,6 +37,7 @@ else:
 
     import torch
 
+    from utils.benchmark import BenchmarkRow, format_benchmark_table, write_benchmark_csv
     from utils.data.sources import build_data
     from utils.device import make_accelerator, warn
     from utils.engine import Watch, diverged_message, train_one_epoch, training_epochs
@@ -52,18 +53,10 @@ else:
     from utils.flags.precedence import parse_args
     from utils.flags.specs import data_spec, device_settings, precision_flags, training_loop, training_specs
     from utils.precision import resolve_precision
-    from utils.profiling import (
-        BenchmarkRow,
-        PhaseProfiler,
-        cuda_parts_skipped,
-        format_benchmark_table,
-        format_phase_table,
-        time_data_wait,
-        write_benchmark_csv,
-    )
+    from utils.profiling import PhaseProfiler, cuda_parts_skipped, format_phase_table, time_data_wait
     from utils.run.directory import RUN_FILES
     from utils.run.errors import Diverged, UsageError, exit_on_usage_error
-    from utils.run.files import output_file_problem
+    from utils.run.files import check_output_file
     from utils.training_state import build_or_resume
 
 PROF_DEFAULT = 100  # warm-up steps before the window: past cudnn.benchmark's search and allocator growth
@@ -110,6 +103,9 @@ def build_profile_parser():
                        metavar="LIST", help=f"opt levels --benchmark sweeps (default: {','.join(OPT_LEVELS)})")
     group.add_argument("--benchmark-channels-last", type=comma_list(str2bool), default=None,
                        metavar="LIST", help="channels_last settings --benchmark sweeps (default: False,True)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --trace file or --benchmark-csv (default: refuse, naming "
+                            "it, before any work)")
     parser.set_defaults(**PLAIN_SGD_STEPS)
     return parser
 
@@ -141,9 +137,8 @@ def check_profile_args(args):
         folder = os.path.dirname(os.path.abspath(args.trace))
         if not os.path.isdir(folder):
             raise UsageError(f"--trace {args.trace!r}: folder {folder!r} does not exist; create it first")
-        problem = output_file_problem(args.trace, RUN_FILES)
-        if problem:
-            raise UsageError(f"--trace {args.trace!r}: {problem}; choose another file")
+        for path in trace_paths(args.trace, int(os.environ.get("WORLD_SIZE") or 1)):
+            check_output_file(path, "--trace", args.overwrite, RUN_FILES)
         if args.benchmark:
             raise UsageError("--trace traces one run; it cannot be combined with --benchmark")
     if not args.benchmark:
@@ -166,10 +161,7 @@ def check_profile_args(args):
         folder = os.path.dirname(os.path.abspath(args.benchmark_csv))
         if not os.path.isdir(folder):
             raise UsageError(f"--benchmark-csv {args.benchmark_csv!r}: folder {folder!r} does not exist")
-    csv_path = benchmark_csv_path(args)
-    problem = output_file_problem(csv_path, RUN_FILES)
-    if problem:
-        raise UsageError(f"--benchmark-csv {csv_path!r}: {problem}; choose another file")
+    check_output_file(benchmark_csv_path(args), "--benchmark-csv", args.overwrite, RUN_FILES)
 
 
 def check_enough_steps(args, data, start_epoch):
@@ -214,10 +206,19 @@ def train_window(args, accelerator, plan, device, phases, log):
 
 def trace_path(args, accelerator):
     """--trace as given; with several processes each writes its own file (name.rankN.json)."""
-    if not args.trace or accelerator.num_processes == 1:
+    if not args.trace:
         return args.trace
-    stem, ext = os.path.splitext(args.trace)
-    return f"{stem}.rank{accelerator.process_index}{ext}"
+    return trace_paths(args.trace, accelerator.num_processes)[accelerator.process_index]
+
+
+def trace_paths(trace, processes):
+    """The file each of processes writes for --trace: trace itself for one, name.rankN.json for
+    several. Every process checks all of them at start-up (WORLD_SIZE tells how many there are
+    before the Accelerator does), so all refuse alike."""
+    if processes == 1:
+        return [trace]
+    stem, ext = os.path.splitext(trace)
+    return [f"{stem}.rank{rank}{ext}" for rank in range(processes)]
 
 
 def run_profile(args):

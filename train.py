@@ -43,6 +43,7 @@ from utils.profiling import NoPhases, NvtxWindow
 from utils.run.checkpoint import BEST, CHECKPOINT, best_on_disk, save_checkpoint
 from utils.run.directory import prepare_output_dir, remove_replaced_run
 from utils.run.errors import Diverged, exit_on_usage_error
+from utils.run.lock import releases_output_dir
 from utils.run.preemption import StopOnSignal, stopped_line
 from utils.training_state import build_or_resume, global_batch
 
@@ -122,6 +123,7 @@ class Run:
         return stop.exit_code
 
 
+@releases_output_dir  # the --output-dir lock prepare_output_dir takes goes on every way out of main
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
     parser = add_log_args(build_parser(description=__doc__.splitlines()[0]))

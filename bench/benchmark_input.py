@@ -21,7 +21,8 @@ pipeline at all): the GPU-bound ceiling for that config. Without a CUDA device i
 not run and the train.py rows run on the CPU, without ratios (a smoke test, not a benchmark).
 Each row also gives the GPU memory in use at the run's peak (nvidia-smi, polled every 0.2 s: it
 counts what torch's allocator does not see, such as nvImageCodec's buffers and the CUDA context).
-Rows are printed as they come and the CSV is rewritten after each (utils.run.files.atomic_write_csv).
+Rows are printed as they come and the CSV is rewritten after each (utils.run.files.atomic_write_csv);
+an --out that exists is refused before any run unless --append (add to it) or --overwrite (replace it).
 --repeat N runs the whole list N times, round by round (A B C, A B C, ...), so that a slow spell of
 the machine falls on every configuration alike; each run is a row (column round; ratio_to_plain
 against the same round's reference) and the tool ends with each configuration's median and range.
@@ -55,7 +56,8 @@ from typing import NamedTuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from utils.run.files import atomic_write_csv  # noqa: E402
+from utils.run.errors import exit_on_usage_error  # noqa: E402
+from utils.run.files import atomic_write, atomic_write_csv, check_output_file, check_output_folder  # noqa: E402
 
 # (epoch, step, steps, average img/s) of train.py's and timm's interval lines; epochs count from 0.
 APEX_SPEED = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\].*?Speed [\d.]+ \(([\d.]+)\)")
@@ -279,10 +281,7 @@ def log_name(round_, planned):
 def keep_output(runs_dir, round_, planned, output):
     """Keep a run's printed output (the interval lines an epoch average comes from) beside its
     output folder: the CSV holds only the figures, and a device call brings files back."""
-    folder = os.path.join(runs_dir, "benchmark-logs")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, log_name(round_, planned)), "w") as file:
-        file.write(output)
+    atomic_write(os.path.join(runs_dir, "benchmark-logs", log_name(round_, planned)), output)  # full disk: exit 4
 
 
 def setup(args):
@@ -368,6 +367,8 @@ def main():
     parser.add_argument("--append", action="store_true",
                         help="add this invocation's rounds to the rows already in --out (same flags), "
                         "medians over all of them: one benchmark split over several calls")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out without --append (default: refuse, naming it, before any run)")
     args = parser.parse_args()
     # The runs start in the project folder (train.py's cwd): paths typed relative to the caller's
     # folder are made absolute first.
@@ -387,6 +388,9 @@ def main():
         parser.error(f"--epochs {args.epochs}: a run needs at least one epoch (2 or more leave start-up out)")
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: at least one round")
+    # Before any run: --out (an existing one only with --append or --overwrite) and --runs-dir take files.
+    check_output_file(args.out, "--out", args.overwrite or args.append)
+    check_output_folder(args.runs_dir, "--runs-dir")
 
     cuda = cuda_available()
     runs = planned_runs(args, cuda)
@@ -453,4 +457,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_usage_error(main))  # a refusal: one line, exit 2; a failed write: one line, exit 4

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from utils.data.folder import check_image_folder  # noqa: E402
 from utils.run.errors import exit_on_usage_error  # noqa: E402
-from utils.run.files import atomic_write_csv  # noqa: E402
+from utils.run.files import atomic_write_csv, check_output_file  # noqa: E402
 
 LOADERS = ("cpu", "timm", "gpu-workers")
 
@@ -113,6 +113,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the median is reported (default: 3)")
     parser.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS))
     parser.add_argument("--out", help="CSV to write (rewritten after each row)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out (default: refuse, naming it, before any measurement)")
     args = parser.parse_args(argv)
     for flag, value, low in (("--rounds", args.rounds, 1), ("--batch-size", args.batch_size, 1),
                              ("--image-size", args.image_size, 1), ("--workers", min(args.workers), 0)):
@@ -126,6 +128,8 @@ def main(argv=None):
         except ImportError:
             parser.error("timm is not installed: pip install timm, or leave timm out of --loaders")
     check_image_folder(args.data, ("train",))  # a UsageError: one line, exit 2
+    if args.out:  # rewritten after each row: that it can be, and replaces no file of the user's, first
+        check_output_file(args.out, "--out", args.overwrite)
     torch.set_num_threads(1)
     rows = []
     print(f"cores {os.cpu_count()}, torch {torch.__version__}, batch {args.batch_size}, "

@@ -13,7 +13,9 @@ works without this project. Its metadata (strings, as safetensors requires) name
 epoch, num_classes, best_prec1, opt_level, the class names (JSON, label order) and which weights
 they are (`weights`: model, or ema with --ema: the --model-ema average, state_dict_ema); read it with
 `safetensors.safe_open(path, "pt").metadata()`. The optimizer, loss scale and RNG state are
-training state and are left out. Written atomically: a kill never leaves half a file.
+training state and are left out. Written atomically: a kill never leaves half a file. An existing
+OUT is refused unless --overwrite; an OUT that cannot be written is refused before the checkpoint is
+read, and a write that still fails (a full disk) is one line and exit code 4.
 """
 import argparse
 import json
@@ -82,12 +84,16 @@ def main(argv=None):
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.pth.tar or model_best.pth.tar")
     parser.add_argument("out", metavar="OUT.safetensors", help="the file to write")
     parser.add_argument("--ema", action="store_true", help="export the --model-ema weights (state_dict_ema)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT.safetensors if it exists (default: refuse, naming it, before any work)")
     args = parser.parse_args(argv)
     if not args.out.endswith(".safetensors"):
         raise UsageError(f"the output name should end in .safetensors, got {args.out!r}")
-    problem = output_file_problem(args.out)
+    problem = output_file_problem(args.out)  # also: its folder takes a new file (a probe, as root too)
     if problem:
         raise UsageError(f"cannot write {args.out!r}: {problem}; choose another file")
+    if os.path.lexists(args.out) and not args.overwrite:
+        raise UsageError(f"{args.out!r} already exists; pass --overwrite to replace it, or choose another file")
     count, metadata = export(args.checkpoint, args.out, args.ema)
     print(f"=> wrote {count} tensors of {metadata['arch']} ({metadata['weights']} weights, epoch "
           f"{metadata['epoch']}, {metadata.get('num_classes', '?')} classes) to {args.out}")

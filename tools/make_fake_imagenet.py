@@ -6,17 +6,25 @@ average like ImageNet's train JPEGs, with photo-like content: a smooth colour fi
 shapes, multi-scale texture and sensor noise. Each class has its own palette, stripe direction
 and period and shape kind, so the loss falls within a few hundred steps. A few files are the
 odd kinds ImageNet holds (grayscale JPEGs, CMYK JPEGs, a PNG named .JPEG), so the input
-pipelines' fallbacks run too. Deterministic: the same flags write the same bytes.
+pipelines' fallbacks run too. Deterministic: the same flags write the same bytes. OUT must be a
+new or empty folder (never mixed into, never replaced: remove an old one yourself); one that cannot
+take files is refused before any image is made, and a full disk midway is one line and exit code 4.
 
     python tools/make_fake_imagenet.py OUT --classes 100 --train-per-class 500 --jobs 8
 """
 import argparse
 import io
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
+from utils.run.errors import WriteError, exit_on_usage_error  # noqa: E402
+from utils.run.files import atomic_write, check_output_folder  # noqa: E402
 
 ODD_KINDS = ("grayscale", "cmyk", "png")
 
@@ -93,16 +101,14 @@ def odd_kind(number, odd_every):
 
 def write_class(job):
     root, split, label, count, args = job
-    folder = os.path.join(root, split, f"n{label:08d}")
-    os.makedirs(folder, exist_ok=True)
+    folder = os.path.join(root, split, f"n{label:08d}")  # made by the first atomic_write
     offset = 0 if split == "train" else 1_000_000
     total = 0
     for index in range(count):
         image = make_image(label, offset + index, args.classes, (args.width, args.height), args.size_jitter,
                            args.seed)
         data = encode(image, odd_kind(label * count + index, args.odd_every), args.quality)
-        with open(os.path.join(folder, f"{index:05d}.JPEG"), "wb") as handle:
-            handle.write(data)
+        atomic_write(os.path.join(folder, f"{index:05d}.JPEG"), data)  # no half-written image on a full disk
         total += len(data)
     return total
 
@@ -134,13 +140,18 @@ def main():
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         parser.error(f"{args.out!r} exists and is not an empty folder: new files would mix with what it holds; "
                      "give a new folder (or remove that one)")
+    check_output_folder(args.out, "OUT")  # made, and a probe file proves it takes files (as root too)
     jobs = [(args.out, "train", c, args.train_per_class, args) for c in range(args.classes)]
     jobs += [(args.out, "val", c, args.val_per_class, args) for c in range(args.classes)]
-    with ProcessPoolExecutor(args.jobs) as pool:
-        total = sum(pool.map(write_class, jobs))
+    try:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            total = sum(pool.map(write_class, jobs))
+    except WriteError as err:  # a full disk midway: one line, exit 4 (the images written so far stay)
+        raise WriteError(err.path, err.error, f"; {args.out} holds part of the images: remove it, free "
+                                              "space, and run again") from None
     files = args.classes * (args.train_per_class + args.val_per_class)
     print(f"wrote {files} files, {total / max(files, 1) / 1024:.0f} KB on average, into {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_usage_error(main)

@@ -17,7 +17,8 @@ The table gives the mean training speed over the second half of the last epoch's
 last epoch's validation top-1 and top-5, and the best top-1 of any epoch. Into --out-dir (default
 ./opt_level_sweep) go each config's run directory (with train.log, what the run printed) and the
 table, as opt_level_sweep.csv and opt_level_sweep.md, both rewritten after every config. A config
-that fails still gets a row, holding its last error line; the exit code is then 1.
+that fails still gets a row, holding its last error line; the exit code is then 1. An --out-dir
+holding an earlier sweep's tables or runs is refused unless --overwrite.
 """
 import argparse
 import os
@@ -27,8 +28,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere, yet import the project's utils
-from utils.run.files import atomic_write, atomic_write_csv  # noqa: E402
+from utils.run.errors import UsageError, exit_on_usage_error  # noqa: E402
+from utils.run.files import atomic_write, atomic_write_csv, check_output_folder  # noqa: E402
 
+TABLES = ("opt_level_sweep.csv", "opt_level_sweep.md")  # rewritten after every config of one sweep
 KEYS = ["config", "img/s", "first loss", "last loss", "skipped", "scale", "top1", "top5", "best top1", "recipe"]
 SPEED = {
     "O0": ["--opt-level", "O0"],
@@ -54,8 +57,9 @@ FINAL = re.compile(r"^ \* Prec@1 ([\d.]+) Prec@5 ([\d.]+)$", re.MULTILINE)  # no
 
 def run(name, flags, data, epochs, steps, extra, out_dir):
     """Train one config; its table row (or {"config", "error"} when train.py failed)."""
-    run_dir = os.path.join(out_dir, name.replace(" ", "_"))
-    # --overwrite: a sweep run again into the same --out-dir replaces its own earlier runs.
+    run_dir = run_dir_name(out_dir, name)
+    # train.py --overwrite: main() has refused an --out-dir holding a sweep's runs unless the sweep's
+    # own --overwrite asked for them to be replaced.
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), data, "--epochs", str(epochs), "--steps-per-epoch",
            str(steps), "--print-freq", "20", "--output-dir", run_dir, "--overwrite", *flags, *extra]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -67,6 +71,25 @@ def run(name, flags, data, epochs, steps, extra, out_dir):
         return {"config": name, "error": f"exit code {result.returncode}: {why}"}
     return {"config": name, **speed_and_loss(lines), **scale_fields(result.stdout),
             **accuracy(result.stdout), "recipe": precision_line(result.stdout)}
+
+
+def run_dir_name(out_dir, name):
+    """The folder config `name`'s train.py run writes into."""
+    return os.path.join(out_dir, name.replace(" ", "_"))
+
+
+def check_out_dir(out_dir, configs, overwrite):
+    """Before any run: --out-dir must be a folder that takes files (made if missing), and must not
+    hold an earlier sweep's tables or these configs' runs unless --overwrite (which train.py's
+    --overwrite then passes on to each run)."""
+    if os.path.isdir(out_dir) and not overwrite:
+        found = [name for name in TABLES if os.path.lexists(os.path.join(out_dir, name))]
+        found += [os.path.basename(run_dir_name(out_dir, name)) for name in configs
+                  if os.path.lexists(run_dir_name(out_dir, name))]
+        if found:
+            raise UsageError(f"--out-dir {out_dir!r} already holds a sweep's {', '.join(found)}; pass --overwrite "
+                             "to replace them, or choose another --out-dir")
+    check_output_folder(out_dir, "--out-dir")
 
 
 def speed_and_loss(lines):
@@ -141,6 +164,9 @@ def parse_args():
                              "the speed set, 0 for the accuracy set)")
     parser.add_argument("--out-dir", default="opt_level_sweep",
                         help="where each config's run and the tables go (default: ./opt_level_sweep)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the tables and these configs' runs an earlier sweep left in --out-dir "
+                             "(default: refuse, naming them, before any run)")
     args, extra = parser.parse_known_args()  # the rest goes to train.py
     if args.epochs < 1:
         parser.error(f"--epochs must be at least 1, not {args.epochs}")
@@ -153,17 +179,17 @@ def parse_args():
 
 def main():
     args, extra = parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
+    check_out_dir(args.out_dir, args.configs, args.overwrite)
     rows = []
     for name, flags in args.configs.items():
         rows.append(run(name, flags, args.data, args.epochs, args.steps, extra, args.out_dir))
         print(rows[-1], flush=True)
         # Rewritten after every config, so a sweep cut short keeps what it measured.
-        atomic_write_csv(os.path.join(args.out_dir, "opt_level_sweep.csv"), rows, KEYS + ["error"])
-        atomic_write(os.path.join(args.out_dir, "opt_level_sweep.md"), markdown_table(rows))
+        atomic_write_csv(os.path.join(args.out_dir, TABLES[0]), rows, KEYS + ["error"])
+        atomic_write(os.path.join(args.out_dir, TABLES[1]), markdown_table(rows))
     print(markdown_table(rows), end="")
     return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_usage_error(main))  # a refusal: one line, exit 2; a failed write: one line, exit 4

@@ -14,7 +14,8 @@
     compiled.py       torch.compile, once, after prepare
     logs.py           args.yaml, summary.csv, curves.png, trackers, the progress bar
     predictions.py    eval.py's per-image predictions CSV
-    profiling.py      NVTX window, phase timing, benchmark rows
+    profiling.py      NVTX window, phase timing, the phase table, trace export
+    benchmark.py      profile.py --benchmark's rows, table and CSV
     data/             DATA to device batches: sources, ImageFolder/HF/digits/synthetic, crops, the cpu
                       batch path; data/gpu/ the gpu backend (its own map)
     run/              what keeps a run safe: checkpoints, atomic files, the output directory,

@@ -23,8 +23,8 @@ from utils.logs import NoProgress
 from utils.meters import DeviceMeter, EpochClock, EpochResult, averages, figures_text, scale_fields
 from utils.precision import MAX_NONFINITE_STEPS
 from utils.profiling import NoPhases
-from utils.run.errors import UsageError
-from utils.run.preemption import NoStop
+from utils.run.errors import UsageError, WorkerLost
+from utils.run.preemption import NoStop, next_batch_or_stop
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,14 @@ class TakeAhead:
     def __init__(self, batches):
         self.batches = batches
         self.taken = []
+        self.lost = None  # a WorkerLost met taking ahead: raised by the next(), at its own step
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        if self.lost is not None:
+            raise self.lost
         return self.taken.pop() if self.taken else next(self.batches)
 
     def take_ahead(self):
@@ -166,6 +169,8 @@ class TakeAhead:
                 self.taken.append(next(self.batches))
             except StopIteration:  # none left: the next next() says so again
                 pass
+            except WorkerLost as lost:
+                self.lost = lost
 
     def close(self):
         self.taken.clear()
@@ -229,9 +234,13 @@ def train_one_epoch(state, data, epoch, loop, watch=None, *, first_step=0, batch
         seed_rngs(step_seed(loop.seed, epoch, step, accelerator.process_index))
         lr = learning_rate(loop.schedule, epoch, step, steps, global_batch)
         set_learning_rate(optimizer, lr)
+        batch = ()
         for micro in range(accum):
             with phases.range("prefetcher.next()"):  # Apex's NVTX range names, kept for nsys users
-                images, target = next(batches)
+                batch = next_batch_or_stop(batches, stop, world)
+            if batch is None:  # a loader worker died (WorkerLost): stop before this step, as for a signal
+                break
+            images, target = batch
             soft = target
             if augment is not None:
                 images, soft = augment(images, target)
@@ -243,6 +252,9 @@ def train_one_epoch(state, data, epoch, loop, watch=None, *, first_step=0, batch
                 with phases.range("backward"):
                     precision.backward(loss / accum if accum > 1 else loss, accelerator)
             meter.update(loss, output, target)
+        if batch is None:
+            next_step = step
+            break
         with phases.range("optimizer.step()"):
             precision.step(optimizer)
             precision.update_ema(model)

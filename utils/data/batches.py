@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from utils.ingredients import augment_transform
-from utils.run.errors import UsageError
-from utils.run.preemption import ignore_stop_signals_in_worker
+from utils.run.errors import UsageError, WorkerLost
+from utils.run.preemption import ignore_stop_signals_in_worker, lost_workers_named, quiet_worker_deaths
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -152,7 +152,7 @@ class DevicePrefetcher:
     def __iter__(self):
         # iter(loader) now, not at the first batch: a DataLoader's workers start on it, so
         # starting an epoch (Data.start_epoch) starts its decoding
-        return self._batches(iter(self.loader))
+        return self._batches(lost_workers_named(self.loader))  # a dead worker: WorkerLost, the loop stops on
 
     def _batches(self, loader):
         if not self.cuda:
@@ -203,7 +203,10 @@ class Data:
             self._val_forked = True
             self._val_started = iter(self.val)
         self.set_epoch(epoch)
-        return iter(self.train)
+        try:
+            return iter(self.train)
+        except WorkerLost as lost:  # died since its last batch: met at the epoch's first step instead,
+            return _raising(lost)   # after this epoch's validation and checkpoint (train.py's order)
 
     def val_batches(self):
         """An iterator over validation's batches: the one start_epoch started, else a new one."""
@@ -211,8 +214,17 @@ class Data:
         return started if started is not None else iter(self.val)
 
 
+def _raising(err):
+    """An iterator whose first next() raises err."""
+    raise err
+    yield
+
+
 def batch_loader(dataset, sampler, batch_size, workers, device, collate_fn=fast_collate, pin_memory=True):
-    """The DataLoader both backends read through: persistent workers that ignore stop signals."""
+    """The DataLoader both backends read through: persistent workers that ignore stop signals,
+    whose death reaches the loop at a batch (WorkerLost), not mid-save (quiet_worker_deaths)."""
+    if workers > 0:
+        quiet_worker_deaths()
     return torch.utils.data.DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_fn, pin_memory=pin_memory and device.type == "cuda", drop_last=False,

@@ -6,6 +6,8 @@
                   file; a failed write becomes a WriteError naming the file
   directory.py    the output directory before any work: created, writable, no other run's files
                   replaced without --overwrite, a killed save's temp files removed (RunDir)
+  lock.py         train.lock: one run owns its output directory while it runs; a dead owner's
+                  lock taken over (its pid gone on this host, or unrefreshed from another)
   preemption.py   SIGTERM/SIGINT stop at a step boundary, every process at the same step, so the
                   run resumes where it stopped
   errors.py       UsageError, WriteError, Diverged and the exit codes (0, 1, 2, 3, 4, 130, 143):

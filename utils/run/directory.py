@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from utils.run.checkpoint import BEST, CHECKPOINT, kept_checkpoints
 from utils.run.errors import UsageError
-from utils.run.files import TEMP_PREFIX, atomic_write, writer_gone
+from utils.run.files import TEMP_PREFIX, probe_folder, writer_gone
+from utils.run.lock import take_lock
 
 # The files a training run writes into --output-dir (utils/run/checkpoint.py, utils/logs.py). A new run
 # never replaces another run's without --overwrite: with Apex everyone ran in the working directory
@@ -15,7 +16,6 @@ from utils.run.files import TEMP_PREFIX, atomic_write, writer_gone
 # first intact but scatters runs and makes "where is my checkpoint" a search. Resuming is the usual
 # intent, so the refusal names the --resume command, and --overwrite says "start over" explicitly.
 RUN_FILES = (CHECKPOINT, BEST, "summary.csv", "args.yaml", "curves.png")
-PROBE = ".write-test"
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,25 @@ def prepare_output_dir(run_dir, accelerator):
     """Settle --output-dir (a RunDir) before any data or model is built: create it, prove it
     writable, remove temp files a killed save left there, and refuse to replace another run's
     files. The main process checks; every process gets its verdict, so all of them stop with the
-    same one-line error (none is left waiting for the others). -e and --prof write nothing, so
-    nothing is checked. Returns the previous run's files --overwrite replaces (main process;
-    remove_replaced_run)."""
+    same one-line error (none is left waiting for the others). The main process takes the
+    directory's lock (utils/run/lock.py) before it looks for another run's files, so of two runs
+    started at once one goes on and the other is refused; a refusal after taking it releases it.
+    -e and --prof write nothing, so nothing is checked and no lock is taken. Returns the previous
+    run's files --overwrite replaces (main process; remove_replaced_run)."""
     if run_dir.writes_nothing:
         return []
     problem, replaced = None, []
     if accelerator.is_main_process:
+        lock = None
         try:
-            lines, replaced = settle_output_dir(run_dir)
-            for line in lines:
+            create_output_dir(run_dir.path)
+            lock, lines = take_lock(run_dir.path)  # train.main's finally releases it (@releases_output_dir)
+            more, replaced = check_output_dir(run_dir)
+            for line in lines + more:
                 print(line, flush=True)
         except UsageError as err:
+            if lock is not None:
+                lock.release()
             problem = str(err)
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -66,9 +73,15 @@ def remove_replaced_run(output_dir, accelerator, replaced):
 
 
 def settle_output_dir(run_dir):
-    """The main process's part of prepare_output_dir; returns (lines to print, the previous run's
-    files that --overwrite replaces, removed later by remove_replaced_run)."""
-    out = run_dir.path
+    """The main process's part of prepare_output_dir, without the lock it takes between the two
+    steps; returns (lines to print, the previous run's files that --overwrite replaces, removed
+    later by remove_replaced_run)."""
+    create_output_dir(run_dir.path)
+    return check_output_dir(run_dir)
+
+
+def create_output_dir(out):
+    """--output-dir out made if missing and proven writable, or a UsageError saying why not."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--output-dir {out!r} is a file, not a directory; give a directory (created "
                          "if missing)")
@@ -78,12 +91,17 @@ def settle_output_dir(run_dir):
         raise UsageError(f"cannot create --output-dir {out!r}: {err.strerror}"
                          f"{f' ({err.filename})' if err.filename and err.filename != out else ''}; "
                          "give a directory you can write to") from None
-    try:  # through the same atomic write every output file takes
-        probe = atomic_write(os.path.join(out, f"{PROBE}-{os.getpid()}"), b"")
-        os.remove(probe)
+    try:  # a real file made and removed (utils.run.files.probe_folder): root ignores mode bits
+        probe_folder(out)
     except OSError as err:
         raise UsageError(f"--output-dir {out!r} is not writable ({err.strerror}); give a directory you "
                          "can write to") from None
+
+
+def check_output_dir(run_dir):
+    """The created --output-dir's checks: no other run's files replaced without --overwrite, a
+    resume that continues the run there, the stale temp files removed. Returns as settle_output_dir."""
+    out = run_dir.path
     lines = []
     found = [name for name in RUN_FILES if os.path.lexists(os.path.join(out, name))]
     found += [name for _, name in kept_checkpoints(out)]  # --keep-checkpoints copies are the run's too

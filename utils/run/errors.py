@@ -32,6 +32,12 @@ class Diverged(Exception):
     """
 
 
+class WorkerLost(Exception):
+    """A data loader worker process died (SIGKILL, the out-of-memory killer): one line, exit 1.
+    One process of training stops at that step with its checkpoint instead (utils/run/preemption.py);
+    elsewhere (eval.py, validation, a run of several processes) it ends the script with its line."""
+
+
 class WriteError(OSError):
     """Writing an output file failed (ENOSPC, EDQUOT, EFBIG, EIO, ...): exit code 4, one line.
 
@@ -39,9 +45,13 @@ class WriteError(OSError):
     still the previous version (or absent). An OSError, so code that catches OSError still does.
     """
 
-    def __init__(self, path, error):
+    def __init__(self, path, error, advice=None):
         super().__init__(error.errno, error.strerror or str(error), path)
         self.path, self.error = path, error
+        self.advice = advice  # what to do, where the writer knows better than WRITE_ADVICE (a cache)
+
+    def __reduce__(self):  # OSError pickles as (errno, strerror, filename): this one's arguments differ
+        return WriteError, (self.path, self.error, self.advice)
 
     def __str__(self):
         import errno as errno_names
@@ -134,14 +144,18 @@ def exit_on_usage_error(main):
         _tell_peers(EXIT_USAGE)
         leave(EXIT_USAGE)
     except WriteError as err:
-        print(f"{prog}: error: {err}{WRITE_ADVICE.get(prog, '; free space or write it elsewhere')}",
-              file=sys.stderr, flush=True)
+        advice = err.advice if err.advice is not None else WRITE_ADVICE.get(prog, '; free space or write it elsewhere')
+        print(f"{prog}: error: {err}{advice}", file=sys.stderr, flush=True)
         _tell_peers(EXIT_WRITE_FAILED)
         leave(EXIT_WRITE_FAILED)
     except Diverged as err:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops at the same step; one message
             print(f"{prog}: stopped: {err}", file=sys.stderr, flush=True)
         leave(EXIT_DIVERGED)
+    except WorkerLost as err:  # where no checkpoint could be made of it (WorkerLost says where)
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        _tell_peers(EXIT_CRASH)
+        leave(EXIT_CRASH)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (utils/run/preemption.py handles it inside)
         print(f"{prog}: interrupted (Ctrl-C) outside the training steps; no checkpoint was written for it",
               file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ import shutil
 import socket
 import tempfile
 
-from utils.run.errors import WriteError
+from utils.run.errors import UsageError, WriteError
 
 TEMP_PREFIX = ".tmp-"  # temp files and folders start with this; a killed writer leaves only these
 # After the prefix, the writer: PID@HOST~ (a run cleaning its directory removes only the temp files
@@ -76,7 +76,36 @@ def output_file_problem(path, protected=()):
     name = os.path.basename(absolute)
     if os.path.exists(absolute) and (name in protected or name.endswith(".pth.tar")):
         return "it is a training run's file, which this would replace"
-    return None
+    return folder_write_problem(parent)  # the nearest folder there is: the rest is made on the way
+
+
+def check_output_file(path, flag, overwrite=False, protected=()):
+    """Refuse before any work, as one UsageError line naming flag and path, an output path that
+    cannot be written without harm (output_file_problem) or that holds a file already, unless
+    overwrite (the scripts' --overwrite, spelled as train.py spells it): a file the user has is
+    never replaced without being asked."""
+    problem = output_file_problem(path, protected)
+    if problem:
+        raise UsageError(f"{flag} {path!r}: {problem}; choose another file")
+    if os.path.lexists(path) and not overwrite:
+        raise UsageError(f"{flag} {path!r} already exists; pass --overwrite to replace it, or choose "
+                         "another file")
+
+
+def check_output_folder(path, flag):
+    """Refuse before any work, as one UsageError line, a folder to write into that is a file, sits
+    below a file, or cannot take a new file (folder_write_problem); made if missing. Returns path."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a file, not a directory; give a directory (created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"{flag} {path!r}: cannot create it ({err.strerror}); give a directory you can "
+                         "write to") from None
+    problem = folder_write_problem(path)
+    if problem:
+        raise UsageError(f"{flag} {path!r} is not writable: {problem}; give a directory you can write to")
+    return path
 
 
 def atomic_write(path, content, fsync=False):
@@ -85,10 +114,7 @@ def atomic_write(path, content, fsync=False):
     fsync=True flushes the data to disk before the rename (checkpoints: a power cut must not
     leave a renamed but empty file). Returns path.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix="-" + os.path.basename(path), dir=folder)
-    try:
+    def fill(fd, tmp):
         with os.fdopen(fd, "wb") as handle:
             if callable(content):
                 content(handle)
@@ -97,19 +123,55 @@ def atomic_write(path, content, fsync=False):
             handle.flush()
             if fsync:
                 os.fsync(handle.fileno())
+    return _replace_atomically(path, fill)
+
+
+def atomic_export(path, export):
+    """path written atomically by export(temp path), for writers that take a file name rather than
+    a handle (torch.profiler's export_chrome_trace). Returns path."""
+    def fill(fd, tmp):
+        os.close(fd)
+        export(tmp)
+    return _replace_atomically(path, fill)
+
+
+def _replace_atomically(path, fill):
+    """The one mechanism behind atomic_write and atomic_export: make the folder, a temp file in it,
+    fill(fd, temp path), the user's umask, the rename. Every step sits inside the one try, so any
+    OSError on the way (a folder that cannot be made, an unwritable or immutable folder, a full
+    disk, a rename refused) becomes the one WriteError naming path, and the temp file goes."""
+    tmp = None
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix="-" + os.path.basename(path), dir=folder)
+        fill(fd, tmp)
         # mkstemp makes 0600 files; give the file the permissions an ordinary open() would.
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         _publish(tmp, path)
     except BaseException as err:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        cause = _os_error(err)
-        if cause is not None and not isinstance(err, WriteError):
-            raise WriteError(path, cause) from err  # a full disk etc.: exit 4 with one clear line
-        raise
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        converted = _as_write_error(err, path)
+        if converted is err:
+            raise
+        raise converted from err
     return path
+
+
+def _as_write_error(err, path, advice=None):
+    """err as the WriteError naming path when an OSError is behind it (a full disk etc.: exit 4
+    with one clear line); err itself otherwise (a KeyboardInterrupt, a usage error, a WriteError
+    already, an error with no OSError behind it)."""
+    if not isinstance(err, Exception) or isinstance(err, (WriteError, UsageError)):
+        return err
+    cause = _os_error(err)
+    if cause is None:
+        return err
+    return WriteError(path, cause, advice)
 
 
 def _os_error(err):
@@ -131,21 +193,49 @@ def copy_atomic(source, path, fsync=False):
 
 
 @contextlib.contextmanager
-def atomic_directory(path):
+def atomic_directory(path, advice=None):
     """Yield a temp folder beside path; on success it becomes path, on failure it is removed.
 
     If path appeared meanwhile (another process finished first), the temp folder is dropped and
-    the existing one kept.
+    the existing one kept. An OSError on the way (the parent cannot be made, the temp folder
+    cannot be created, a file written into it finds the disk full) is a WriteError naming path,
+    with advice (the text after its message: what to do) where the caller knows better.
     """
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=temp_prefix(), dir=parent)
+    tmp = None
     try:
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=temp_prefix(), dir=parent)
         yield tmp
         try:
             _publish(tmp, path)
         except OSError:  # path exists and is not empty: someone else built it
+            if not os.path.isdir(path):
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except BaseException as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        converted = _as_write_error(err, path, advice)
+        if converted is err:
+            raise
+        raise converted from err
+
+
+def probe_folder(folder):
+    """Create and remove a probe file in folder; an OSError says it cannot take a new file. Never
+    judged by mode bits: root ignores those, yet an immutable folder (chattr +i), a read-only
+    mount or a quota still refuse a file. The probe carries this process's temp prefix, so one a
+    kill left behind is removed as any stale temp file is (utils.run.directory)."""
+    fd, probe = tempfile.mkstemp(prefix=temp_prefix(), suffix="-write-test", dir=folder)
+    os.close(fd)
+    os.remove(probe)
+
+
+def folder_write_problem(folder):
+    """Why a new file cannot be made in the existing folder (probe_folder), or None."""
+    try:
+        probe_folder(folder)
+    except OSError as err:
+        return f"cannot create a file in {folder} ({err.strerror})"
+    return None

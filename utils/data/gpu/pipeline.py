@@ -15,6 +15,7 @@ from utils.data.gpu.decoders import HardwareJpeg
 from utils.data.gpu.packing import unpack
 from utils.data.gpu.resample import CANVAS_BUDGET, _canvas_kernel, resample_batch, resample_chunks, to_device
 from utils.data.image_files import pil_rgb
+from utils.run.preemption import lost_workers_named
 
 
 class GpuBatchDecoder:
@@ -212,7 +213,8 @@ class GpuBatches:
     def __iter__(self):
         # iter(loader) here, in the caller's thread: a DataLoader forks its workers on its first
         # iteration, and that must not happen in a decode thread beside other CUDA work
-        packed_batches = iter(self.loader)
+        # (a dead loader worker: WorkerLost, raised again in the loop's thread if a decode thread met it)
+        packed_batches = lost_workers_named(self.loader)
         if self.threads == 0:
             return (self.decoder(packed) for packed in packed_batches)
         decoder = self.decoder
