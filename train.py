@@ -27,7 +27,7 @@ from utils.data.sources import absolute_data, build_data, source_kind
 from utils.device import make_accelerator, warn
 from utils.engine import Watch, close_batches, diverged_message, train_one_epoch, training_epochs, validate
 from utils.flags.parser import PROF_STEPS, add_log_args, build_parser, idle_flag_notes, typed_dests
-from utils.flags.precedence import parse_args
+from utils.flags.precedence import check_ingredient_flags, parse_args
 from utils.flags.specs import (
     batch_ingredients,
     data_spec,
@@ -37,7 +37,7 @@ from utils.flags.specs import (
     training_loop,
     training_specs,
 )
-from utils.ingredients import build_batch_augment, build_criterion, check_ingredient_flags, ema_state_dict
+from utils.ingredients import build_batch_augment, build_criterion, ema_state_dict
 from utils.logs import Progress, RunLog, tracker_kwargs
 from utils.profiling import NoPhases, NvtxWindow
 from utils.run.checkpoint import BEST, CHECKPOINT, best_on_disk, save_checkpoint

@@ -8,8 +8,7 @@ from conftest import HALF_QUICK, QUICK, ROOT, run_script
 from test_train import losses, one_error_line
 
 from utils.flags.parser import add_log_args, build_parser
-from utils.flags.precedence import parse_args
-from utils.ingredients import check_ingredient_flags
+from utils.flags.precedence import check_ingredient_flags, parse_args
 from utils.run.checkpoint import kept_checkpoints, save_checkpoint
 from utils.run.errors import UsageError, exit_on_usage_error
 

@@ -311,7 +311,7 @@ for signum in (signal.SIGTERM, signal.SIGINT):  # the main process lives on, as 
     signal.signal(signum, lambda signum, frame: None)
 loader = batch_loader(torch.arange(10 ** 6), None, 4, 2, torch.device("cpu"), collate_fn=None)
 batches = iter(loader)
-next(batches)
+next(batches), next(batches)  # one batch from each worker: both have run their worker_init_fn
 print("sigchld", signal.getsignal(signal.SIGCHLD), flush=True)
 for line in sys.stdin:
     next(batches)

@@ -370,14 +370,3 @@ def build_batch_augment(ingredients, device, num_classes, batch_size):
     mixup = build_mixup(ingredients.mixup, ingredients.cutmix, ingredients.mixup_switch_prob,
                         ingredients.label_smoothing, num_classes, batch_size)
     return BatchAugment(erase, mixup) if erase is not None or mixup is not None else None
-
-
-def check_ingredient_flags(args):
-    """Refuse flags that would be parsed and do nothing: the EMA's options without --model-ema,
-    --mixup-switch-prob without both alphas."""
-    if not args.model_ema and (args.model_ema_best or args.model_ema_decay != 0.9998):
-        raise UsageError("--model-ema-decay and --model-ema-best need --model-ema")
-    if args.mixup_switch_prob != 0.5 and not (args.mixup and args.cutmix):
-        raise UsageError("--mixup-switch-prob chooses between mixup and cutmix: it needs --mixup and --cutmix > 0")
-    if args.model_ema and not 0.0 < args.model_ema_decay < 1.0:
-        raise UsageError(f"--model-ema-decay must be in (0, 1), got {args.model_ema_decay}")

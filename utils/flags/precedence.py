@@ -276,3 +276,14 @@ def warn_endless_warmup(args):
         print(f"warning: --warmup-epochs {args.warmup_epochs} is not below --epochs {args.epochs}, so the LR "
               f"never reaches --lr {args.lr:g} (x global batch / 256); pass a shorter --warmup-epochs",
               file=sys.stderr, flush=True)
+
+
+def check_ingredient_flags(args):
+    """Refuse flags that would be parsed and do nothing: the EMA's options without --model-ema,
+    --mixup-switch-prob without both alphas."""
+    if not args.model_ema and (args.model_ema_best or args.model_ema_decay != 0.9998):
+        raise UsageError("--model-ema-decay and --model-ema-best need --model-ema")
+    if args.mixup_switch_prob != 0.5 and not (args.mixup and args.cutmix):
+        raise UsageError("--mixup-switch-prob chooses between mixup and cutmix: it needs --mixup and --cutmix > 0")
+    if args.model_ema and not 0.0 < args.model_ema_decay < 1.0:
+        raise UsageError(f"--model-ema-decay must be in (0, 1), got {args.model_ema_decay}")
