@@ -380,15 +380,15 @@ def test_config_that_is_not_utf8_is_one_usage_error(tmp_path):
 
 def test_resuming_an_older_checkpoint_in_its_run_says_the_newer_one_will_be_replaced(tmp_path):
     from utils.flags.specs import run_dir_spec
-    from utils.run.directory import settle_output_dir
+    from utils.run.directory import check_output_dir
     for epoch in (1, 2):  # checkpoint.pth.tar ends at epoch 2, the kept epoch-1 copy is older
         save_checkpoint({"epoch": epoch, "step": 0, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
                          "args": {"epochs": 3}}, False, tmp_path, keep=2)
     older = tmp_path / "checkpoint-epoch001.pth.tar"
     os.utime(older, (1, 1))  # written in the same second as the newer one on a fast disk
-    lines, replaced = settle_output_dir(run_dir_spec(parse(["--resume", older, "--output-dir", tmp_path])))
+    lines, replaced = check_output_dir(run_dir_spec(parse(["--resume", older, "--output-dir", tmp_path])))
     assert replaced == [] and any("checkpoint.pth.tar beside it is newer" in line for line in lines), lines
     newest = tmp_path / "checkpoint.pth.tar"
-    lines, _ = settle_output_dir(run_dir_spec(parse(["--resume", newest, "--output-dir", tmp_path])))
+    lines, _ = check_output_dir(run_dir_spec(parse(["--resume", newest, "--output-dir", tmp_path])))
     assert not any("newer" in line for line in lines)
 

@@ -97,8 +97,9 @@ def test_missing_output_dir_is_created_with_parents_and_evaluate_writes_nothing(
     # A training run creates it (parents too) at start-up: the start-epoch error comes after that.
     args = parse_args(add_log_args(build_parser("t")), ["--output-dir", str(out)])
     from utils.flags.specs import run_dir_spec
-    from utils.run.directory import settle_output_dir
-    assert settle_output_dir(run_dir_spec(args)) == ([], []) and out.is_dir() and os.listdir(out) == []
+    from utils.run.directory import check_output_dir, create_output_dir
+    create_output_dir(out)
+    assert check_output_dir(run_dir_spec(args)) == ([], []) and out.is_dir() and os.listdir(out) == []
 
 
 # --- item 4: no silent overwrite ---------------------------------------------------------------------

@@ -72,14 +72,6 @@ def remove_replaced_run(output_dir, accelerator, replaced):
     print(f"=> --overwrite: removed the previous run's {', '.join(replaced)} from {output_dir}", flush=True)
 
 
-def settle_output_dir(run_dir):
-    """The main process's part of prepare_output_dir, without the lock it takes between the two
-    steps; returns (lines to print, the previous run's files that --overwrite replaces, removed
-    later by remove_replaced_run)."""
-    create_output_dir(run_dir.path)
-    return check_output_dir(run_dir)
-
-
 def create_output_dir(out):
     """--output-dir out made if missing and proven writable, or a UsageError saying why not."""
     if os.path.exists(out) and not os.path.isdir(out):
@@ -100,7 +92,8 @@ def create_output_dir(out):
 
 def check_output_dir(run_dir):
     """The created --output-dir's checks: no other run's files replaced without --overwrite, a
-    resume that continues the run there, the stale temp files removed. Returns as settle_output_dir."""
+    resume that continues the run there, the stale temp files removed. Returns (lines to print,
+    the previous run's files that --overwrite replaces, removed later by remove_replaced_run)."""
     out = run_dir.path
     lines = []
     found = [name for name in RUN_FILES if os.path.lexists(os.path.join(out, name))]
