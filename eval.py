@@ -46,6 +46,7 @@ from utils.flags.parser import (
     add_datasets_args,
     add_precision_args,
     add_run_args,
+    add_validation_args,
     positive_int,
 )
 from utils.flags.precedence import (
@@ -57,7 +58,7 @@ from utils.flags.precedence import (
 )
 from utils.flags.specs import data_spec, device_settings, precision_flags
 from utils.logs import Progress
-from utils.models import REFUSED, build_model, check_input_size, torchvision_names
+from utils.models import REFUSED, apply_blurpool, build_model, check_input_size, torchvision_names
 from utils.precision import Precision
 from utils.predictions import PredictionRecorder, write_predictions
 from utils.run.checkpoint import checkpoint_weights, load_checkpoint, load_model_weights
@@ -68,16 +69,19 @@ from utils.run.files import atomic_write, check_output_file, output_file_problem
 # Training settings eval.py inherits from the checkpoint when the command line leaves them out.
 # Not --channels-last: a memory layout for the device at hand (on by default on CUDA, off elsewhere),
 # not part of what was trained; a checkpoint from a GPU run is evaluated on a CPU without it.
-FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "interpolation", "mean", "std",
+FROM_CHECKPOINT = ("data", "image_size", "crop_pct", "val_resize_size", "val_crop_size", "tta", "interpolation",
+                   "mean", "std", "blurpool",
                    "opt_level", "keep_batchnorm_fp32", "batch_size",
                    "val_split", "image_column", "label_column")
 # How a datasets source is read: inherited only together with the checkpoint's DATA.
 DATA_READING = ("val_split", "image_column", "label_column")
 # Training settings the shared start-up and data code reads; evaluation uses none of them.
-NOT_EVALUATED = {"steps_per_epoch": 0, "prof": -1, "seed": 0, "train_split": None, "loss_scale": None, "aa": "none"}
+NOT_EVALUATED = {"steps_per_epoch": 0, "prof": -1, "seed": 0, "train_split": None, "loss_scale": None, "aa": "none",
+                 "train_crop_size": None, "min_res": None, "max_res": None, "start_ramp": None, "end_ramp": None,
+                 "res_step": 32, "ra_reps": 1, "ra_sampler": False, "blurpool": False}
 RESULT_FORMATS = (".json", ".csv")
 INHERITED = """\
-defaults: DATA, -b, --image-size, --crop-pct, --interpolation, --opt-level, --keep-batchnorm-fp32
+defaults: DATA, -b, --image-size, --crop-pct, --interpolation, --opt-level, --keep-batchnorm-fp32, --tta
   and the datasets columns take the checkpoint's value unless given (the defaults printed above
   apply only where the checkpoint has none); --mixed-precision comes from the Accelerate config if
   it names fp16/bf16, else the dtype the checkpoint was trained with; --channels-last follows this
@@ -128,7 +132,8 @@ def build_eval_parser():
     group.add_argument("--predictions", type=output_path(".csv"), default=None, metavar="PATH.csv",
                        help="also write every val image's top-5 to PATH.csv: one row per image (index, "
                             "path, label and its name, 5 class indices, probabilities and names), "
-                            "from all processes (default: none)")
+                            "from all processes; under --tta flip, of the mean of the plain and the mirrored "
+                            "logits (default: none)")
     group.add_argument("--overwrite", action="store_true",
                        help="replace an existing --results-file or --predictions file (default: refuse, "
                             "naming it, before any work)")
@@ -138,6 +143,7 @@ def build_eval_parser():
     add_datasets_args(parser, training=False)
     add_precision_args(parser, training=False)
     add_run_args(parser, training=False)
+    add_validation_args(parser)
     parser.set_defaults(**NOT_EVALUATED)
     parser.set_defaults(**EVALUATION_DEFAULTS)  # -e or not: the shared start-up checks must see an evaluation
     return parser
@@ -291,8 +297,10 @@ def build_eval_model(args, accelerator, plan, checkpoint, device):
         model = build_model(args.arch, args.num_classes, pretrained=True)
     else:
         model = build_model(args.arch, args.num_classes)
+        if args.blurpool:  # the blur is no weight: the checkpoint's stored flag rebuilds it
+            apply_blurpool(model, args.arch)
         load_model_weights(model, checkpoint_weights(checkpoint, args.resume, args.ema), args.arch, args.resume)
-    check_input_size(model, args.arch, args.image_size)
+    check_input_size(model, args.arch, args.val_crop_size or args.image_size)
     memory_format = torch.channels_last if device.channels_last else torch.contiguous_format
     model = model.to(accelerator.device, memory_format=memory_format)
     precision = Precision(plan, model, accelerator.device.type)
@@ -301,7 +309,7 @@ def build_eval_model(args, accelerator, plan, checkpoint, device):
     return model, precision
 
 
-def result_record(args, checkpoint, plan, result, accelerator, channels_last):
+def result_record(args, checkpoint, plan, result, accelerator, channels_last, val_geometry):
     checkpoint = checkpoint or {}  # --pretrained: no epoch, no training opt level
     return {
         "checkpoint": os.path.abspath(args.resume) if args.resume else f"pretrained {args.arch}",
@@ -312,7 +320,9 @@ def result_record(args, checkpoint, plan, result, accelerator, channels_last):
         "top1": round(result.top1, 4), "top5": round(result.top5, 4), "loss": round(result.loss, 6),
         "images_per_sec": round(result.images_per_sec, 2), "seconds": round(result.seconds, 3),
         "processes": accelerator.num_processes, "batch_size": args.batch_size,
-        "image_size": args.image_size, "channels_last": channels_last,
+        "image_size": val_geometry[0], "val_resize_size": val_geometry[1], "channels_last": channels_last,
+        **({"tta": args.tta, "tta_top1": round(result.tta_top1, 4), "tta_top5": round(result.tta_top5, 4)}
+           if result.tta_top1 is not None else {}),
     }
 
 
@@ -343,7 +353,7 @@ def check_outputs(args, checkpoint):
             check_output_file(path, flag, args.overwrite, RUN_FILES)
 
 
-def start_lines(args, checkpoint, data, accelerator):
+def start_lines(args, checkpoint, data, accelerator, val_geometry):
     """What is scored, on what: the weights (with the best Prec@1 as the checkpoint counted it: of
     the EMA weights under --model-ema-best), then the val split and the processes."""
     if checkpoint is None:
@@ -356,7 +366,7 @@ def start_lines(args, checkpoint, data, accelerator):
                    f"{checkpoint.get('best_prec1', float('nan')):.3f}{judged}")
     return [weights, f"=> {args.data or 'digits'} val: {data.val_size} images | {args.num_classes} classes | "
                      f"{accelerator.num_processes} process(es) on {accelerator.device.type} | batch "
-                     f"{args.batch_size} per process | {args.image_size} px"]
+                     f"{args.batch_size} per process | resize {val_geometry[1]} + center crop {val_geometry[0]}"]
 
 
 def main(argv=None):
@@ -375,24 +385,24 @@ def main(argv=None):
                      channels_last=device.channels_last)
     data = build_data(spec, accelerator, train=False)
     check_classes(data, checkpoint, args)
-    for line in [*start_lines(args, checkpoint, data, accelerator), plan.describe(evaluation=True),
-                 device.input_line]:
+    for line in [*start_lines(args, checkpoint, data, accelerator, spec.val_geometry),
+                 plan.describe(evaluation=True), device.input_line]:
         log(line)
 
     criterion = torch.nn.CrossEntropyLoss().to(accelerator.device)
-    if args.predictions:
-        criterion = PredictionRecorder(criterion, args.num_classes)
+    # The recorder sees the logits the figures count (--tta flip's mean), not the loss's; it only records.
+    recorder = PredictionRecorder(lambda logits, target: None, args.num_classes) if args.predictions else None
     result = validate(model, data, precision, accelerator, print_freq=args.print_freq, criterion=criterion,
-                      watch=Watch(log=log, progress=progress))
+                      watch=Watch(log=log, progress=progress), tta=args.tta, on_logits=recorder)
     log(f" * Loss {result.loss:.4f} Images {result.count} Speed {result.images_per_sec:.1f} images/s")
     if result.count != data.val_size:  # a sharding bug must never pass as a result
         raise RuntimeError(f"evaluated {result.count} images, but the val split holds {data.val_size}")
     if args.results_file and accelerator.is_main_process:
-        write_results(result_record(args, checkpoint, plan, result, accelerator, device.channels_last),
-                      args.results_file)
+        write_results(result_record(args, checkpoint, plan, result, accelerator, device.channels_last,
+                                    spec.val_geometry), args.results_file)
         log(f"=> results written to {args.results_file}")
     if args.predictions:
-        write_predictions(criterion, data, accelerator, args.predictions, names=(checkpoint or {}).get("classes"))
+        write_predictions(recorder, data, accelerator, args.predictions, names=(checkpoint or {}).get("classes"))
         log(f"=> {data.val_size} per-image predictions written to {args.predictions}")
     accelerator.end_training()
     return result

@@ -64,7 +64,9 @@ PROF_DEFAULT = 100  # warm-up steps before the window: past cudnn.benchmark's se
 # not its own, and these are the values they stand at (its parser defines them, so code that reads
 # them reads the run's real settings).
 PLAIN_SGD_STEPS = {"opt": "sgd", "no_wd_norm_bias": False, "clip_grad": None, "accum_steps": 1, "min_lr": 0.0,
-                   "drop_path": 0.0, "model_ema": False, "model_ema_decay": 0.9998, "aa": "none"}
+                   "drop_path": 0.0, "model_ema": False, "model_ema_decay": 0.9998, "aa": "none", "bce_loss": False,
+                   "bce_target_thresh": None, "tta": "none", "min_res": None, "max_res": None, "start_ramp": None,
+                   "end_ramp": None, "res_step": 32}
 
 
 def comma_list(item_type):
@@ -113,7 +115,8 @@ def build_profile_parser():
 def idle_flag_notes(args, typed):
     """Warnings for typed flags a train.py command line may carry that profile.py has no use for:
     it never validates, and only --benchmark writes a file (its CSV, into --output-dir)."""
-    idle = ["--crop-pct"] if "crop_pct" in typed else []
+    idle = [flag for dest, flag in (("crop_pct", "--crop-pct"), ("val_resize_size", "--val-resize-size"),
+                                    ("val_crop_size", "--val-crop-size")) if dest in typed]
     found_there = bool(args.resume) and (os.path.dirname(os.path.abspath(args.resume)) ==
                                          os.path.abspath(args.output_dir))  # --resume auto looked there
     if "output_dir" in typed and not args.benchmark and not found_there:

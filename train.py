@@ -22,7 +22,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from utils.compiled import plain_module
+from utils.compiled import compiled_sizes_note, plain_module
 from utils.data.sources import absolute_data, build_data, source_kind
 from utils.device import make_accelerator, warn
 from utils.engine import Watch, close_batches, diverged_message, train_one_epoch, training_epochs, validate
@@ -153,15 +153,19 @@ def main(argv=None):
         f" | global batch {batch} | lr {args.lr * batch / 256:g}")
     log(plan.describe())
     log(device.input_line)
+    log(f"=> {spec.describe(args.epochs)}" + (f" | TTA {args.tta}" if args.tta != "none" else "")
+        + compiled_sizes_note(spec.sizes.distinct(args.epochs), device.compile, device.compile_mode))
     watch = Watch(log=log, progress=progress)
     if args.evaluate:
-        validate(state.model, data, state.precision, accelerator, print_freq=args.print_freq, watch=watch)
+        validate(state.model, data, state.precision, accelerator, print_freq=args.print_freq, watch=watch,
+                 tta=args.tta)
         return
 
     # The ingredients on the device batch and the loss (utils/ingredients.py); None/plain CE by default.
     augment = build_batch_augment(batch_ingredients(args), accelerator.device, num_classes, args.batch_size)
-    loop = training_loop(args, build_criterion(args.label_smoothing, augment is not None and augment.mixup is not None),
-                         augment)
+    criterion = build_criterion(args.label_smoothing, augment is not None and augment.mixup is not None,
+                                args.bce_loss, args.bce_target_thresh, num_classes)
+    loop = training_loop(args, criterion, augment)
     settled = {**vars(args), **device.as_flags(), "start_epoch": start.epoch}
     run = Run(state, plan, data, {**settled, "data": absolute_data(args.data)}, args.output_dir, args.keep_checkpoints,
               loop.steps_per_epoch(len(data.train)), log, start.best_prec1, args.resume or None, num_classes,
@@ -209,12 +213,13 @@ def main(argv=None):
             # batches while this one validates, instead of after: the same batches, sooner.
             ahead = data.start_epoch(epoch + 1) if epoch + 1 < args.epochs else None
             result = validate(state.model, data, state.precision, accelerator, print_freq=args.print_freq,
-                              watch=watch)
+                              watch=watch, tta=args.tta)
             ema = None
             if state.precision.ema is not None:  # after the model's line, which Apex's log readers expect first
                 ema = validate(state.precision.ema.module, data, state.precision, accelerator,
-                               print_freq=args.print_freq, watch=watch, label="EMA")
-            judged = ema if args.model_ema_best else result  # model_best follows the EMA only if asked
+                               print_freq=args.print_freq, watch=watch, label="EMA", tta=args.tta)
+            # model_best follows the EMA only if asked, and the plain Prec@1 (the Apex line), never --tta's
+            judged = ema if args.model_ema_best else result
             is_best = judged.top1 > run.best_prec1  # False for a NaN top-1
             run.best_prec1 = judged.top1 if is_best else run.best_prec1
             # The row first: a run killed between the two resumes after this epoch, and a resume

@@ -243,18 +243,22 @@ def planned_runs(args, cuda):
     for workers in args.workers:
         for backend in args.backends:
             decoders = args.decoders if backend == "gpu" else [""]
-            for decoder, compile_ in [(d, c) for d in decoders for c in args.compile]:
+            for decoder, compile_, size in [(d, c, s) for d in decoders for c in args.compile
+                                            for s in args.train_crop_sizes or [None]]:
                 if backend == "synthetic" and workers != args.workers[0]:
                     continue  # no workers to vary
                 source = ["synthetic"] if backend == "synthetic" else [args.data, "-j", str(workers),
                                                                        "--data-backend", backend]
+                crop = ["--train-crop-size", str(size)] if size else []
                 for code in [ROOT, *args.other_code]:
-                    name = "train.py" if code == ROOT else f"train.py ({os.path.basename(code)})"
+                    name = ("train.py" if code == ROOT else f"train.py ({os.path.basename(code)})") + \
+                        (f" {size} px" if size else "")
                     out = os.path.join(args.runs_dir, f"bench-{backend}-{decoder}-{workers}-{compile_}"
-                                               + ("" if code == ROOT else f"-{os.path.basename(code)}"))
+                                       + (f"-{size}" if size else "")
+                                       + ("" if code == ROOT else f"-{os.path.basename(code)}"))
                     runs.append(Run("train", name, backend, decoder, 0 if backend == "synthetic" else workers,
                                     compile_, [sys.executable, os.path.join(code, "train.py"),
-                                               *source, *common, *compile_flags(compile_),
+                                               *source, *common, *crop, *compile_flags(compile_),
                                                *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]))
         if args.timm_train:
             runs.append(Run("timm", "timm train.py --amp --channels-last", "timm", "", workers, "False", [
@@ -350,6 +354,9 @@ def main():
     parser.add_argument("--opt-level", default="O2")
     parser.add_argument("--train-args", default="", help="more train.py flags, one string (e.g. "
                         "'--keep-batchnorm-fp32 True' with --opt-level O3)")
+    parser.add_argument("--train-crop-sizes", type=int, nargs="+", default=None, metavar="PX",
+                        help="also run each train.py configuration at these --train-crop-size values (rows named "
+                             "'train.py N px'; validation and the plain reference stay at 224) (default: off)")
     parser.add_argument("--steps-per-epoch", type=int, default=40)
     parser.add_argument("--epochs", type=int, default=2, help="epochs a run; its last epoch's average "
                         "is the figure (default: %(default)s)")

@@ -52,7 +52,7 @@ def gpu_workers(data, workers, batch_size, image_size, seed=0):
     from utils.data.folder import image_folder
     from utils.data.gpu.packing import ByteSamples, pack_bytes
     dataset = image_folder(data, "train", None)
-    samples = ByteSamples(dataset.samples, TrainBoxes(seed, 0.08, 0.5))
+    samples = ByteSamples(dataset.samples, TrainBoxes(seed, 0.08, 0.5, image_size))
     sampler = ShardedEpochSampler(len(dataset), batch_size, 0, 1, seed)
     return batch_loader(samples, sampler, batch_size, workers, torch.device("cpu"), collate_fn=pack_bytes,
                         pin_memory=False), sampler

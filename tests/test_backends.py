@@ -23,7 +23,7 @@ from utils.flags.specs import device_settings
 
 def test_both_backends_draw_the_same_box_for_every_sample(tiny_folder):
     cpu = SeededSamples(image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5)), seed=7)
-    gpu = ByteSamples(image_folder(tiny_folder, "train", None).samples, TrainBoxes(7, 0.1, 0.5))
+    gpu = ByteSamples(image_folder(tiny_folder, "train", None).samples, TrainBoxes(7, 0.1, 0.5, 24))
     flips = set()
     for epoch in (0, 3):
         for index in range(len(cpu)):
@@ -56,7 +56,7 @@ def test_starting_an_epoch_sets_the_workers_going_on_its_first_batches(tiny_fold
     log_path = tmp_path / "opened.txt"
     train_set = image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5))
     train_set.loader = functools.partial(logged_rgb_pixels, str(log_path))
-    val_set = image_folder(tiny_folder, "val", val_transform(24, 0.875))
+    val_set = image_folder(tiny_folder, "val", val_transform(24, 27))
     spec = DataSpec(data=None, batch_size=4, workers=1, seed=3, image_size=24, mean=(0.5,) * 3, std=(0.5,) * 3)
     accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
     data = sharded_data(train_set, val_set, 3, spec, accel)
@@ -81,7 +81,7 @@ def test_starting_an_epoch_forks_the_val_workers_first_and_validation_uses_them(
 
     from utils.data.batches import sharded_data
     train_set = image_folder(tiny_folder, "train", train_transform(24, 0.1, 0.5))
-    val_set = image_folder(tiny_folder, "val", val_transform(24, 0.875))
+    val_set = image_folder(tiny_folder, "val", val_transform(24, 27))
     spec = DataSpec(data=None, batch_size=4, workers=1, seed=3, image_size=24, mean=(0.5,) * 3, std=(0.5,) * 3)
     accel = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1)
     data = sharded_data(train_set, val_set, 3, spec, accel)

@@ -65,7 +65,7 @@ def test_no_arguments_but_the_checkpoint_repeats_train_top1(trained, tmp_path):
     assert int(images) == DIGITS_VAL and float(speed) > 0 and 0 < float(loss) < 10
     # Everything came from the checkpoint: digits, 32 px, batch 16, O2 with bf16.
     assert "=> digits val: 359 images | 10 classes" in result.stdout
-    assert "batch 16 per process | 32 px" in result.stdout
+    assert "batch 16 per process | resize 33 + center crop 32" in result.stdout  # the timm model's crop pct 0.95
     assert "precision: O2 bf16 | weights half, BN fp32\n" in result.stdout  # no loss scale: not training
     assert re.search(r"Test: \[\d+/\d+\]\tTime [\d.]+\tSpeed [\d.]+\tLoss [\d.]+\tPrec@1 [\d.]+\tPrec@5 [\d.]+",
                      result.stdout), "no Apex-style progress lines"

@@ -11,7 +11,7 @@ from PIL import Image
 from torchvision import transforms
 from torchvision.transforms import functional as F
 
-from utils.data.crops import CenterBoxes, CpuTrainCrop, TrainBoxes, center_box, train_box, val_transform
+from utils.data.crops import CenterBoxes, CpuTrainCrop, TrainBoxes, center_box, train_box, val_resize, val_transform
 from utils.data.gpu.packing import ByteSamples, Packed, pack_bytes, unpack
 from utils.data.gpu.pipeline import GpuBatchDecoder, GpuBatches
 from utils.data.gpu.resample import _canvas, resample_batch
@@ -108,7 +108,7 @@ def test_train_box_falls_back_to_the_centre_like_torchvision():
 
 def test_center_box_matches_resize_then_center_crop():
     # 500x375, 224/0.875 = 256: resized to 341x256, crop at (16, 58) -> source /(256/375)
-    top, left, height, width, flip = center_box(500, 375, 224, 0.875)
+    top, left, height, width, flip = center_box(500, 375, 224, 256)
     assert (height, width) == pytest.approx((224 * 375 / 256, 224 * 500 / 341))
     assert (top, left) == pytest.approx((16 * 375 / 256, 58 * 500 / 341)) and flip is False
 
@@ -124,7 +124,7 @@ def pil_crop(image, box, size, interpolation="bilinear"):
 def test_cpu_crop_and_tensor_path_use_the_same_boxes():
     image = photo(160, 120)
     crop = CpuTrainCrop(SIZE, 0.08, 0.5)
-    boxes = TrainBoxes(seed=3, min_scale=0.08, hflip=0.5)
+    boxes = TrainBoxes(seed=3, min_scale=0.08, hflip=0.5, sizes=SIZE)
     for index in range(20):
         assert crop.box(image, 3, 5, index) == boxes(160, 120, 5, index)
 
@@ -173,7 +173,7 @@ def test_validation_resize_center_crop_matches_torchvision_pil(interpolation):
     expected = transforms.Compose([transforms.Resize(int(SIZE / 0.875), interpolation=mode),
                                    transforms.CenterCrop(SIZE)])(image)
     expected = torch.from_numpy(np.array(expected)).permute(2, 0, 1).float()
-    box = CenterBoxes(SIZE, 0.875)(160, 120, 0, 0)
+    box = CenterBoxes(SIZE, val_resize(SIZE, 0.875))(160, 120, 0, 0)
     out = resample_batch([torch.from_numpy(np.array(image)).permute(2, 0, 1)],
                          torch.tensor([box], dtype=torch.float64), torch.tensor([[120, 160]]), SIZE,
                          train=False, interpolation=interpolation)[0]
@@ -344,7 +344,7 @@ def test_not_an_image_routes_to_pil():
 
 
 def test_pack_round_trip_keeps_bytes_and_metadata(mixed_folder):
-    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5, SIZE))
     batch = [dataset[(index, 2)] for index in range(len(dataset))]
     packed = pack_bytes(batch)
     payloads = unpack(packed.buffer, packed.offsets)
@@ -368,26 +368,27 @@ def test_pack_round_trip_keeps_bytes_and_metadata(mixed_folder):
 
 
 def test_packed_batches_cross_worker_processes(mixed_folder):
-    dataset = ByteSamples(mixed_folder, CenterBoxes(SIZE, 0.875))
+    dataset = ByteSamples(mixed_folder, CenterBoxes(SIZE, val_resize(SIZE, 0.875)))
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=pack_bytes)
     got = list(loader)
     assert sum(len(packed.labels) for packed in got) == len(dataset)
     assert unpack(got[0].buffer, got[0].offsets)[0].numpy().tobytes() == open(mixed_folder[0][0], "rb").read()
     for start, packed in zip(range(0, len(dataset), 4), got):
         here = pack_bytes([dataset[index] for index in range(start, min(start + 4, len(dataset)))])
-        for name, field, expected in zip(Packed._fields, packed, here):
+        for name, field, expected in zip(Packed._fields[:-1], packed, here):
             assert field.dtype == expected.dtype and torch.equal(field, expected), name
+        assert packed.size == here.size == SIZE  # the output size, a plain int
         # Only the buffer crossed through shared memory; the small fields came inside the pickle.
-        assert packed.buffer.is_shared() and not any(field.is_shared() for field in packed[1:])
+        assert packed.buffer.is_shared() and not any(field.is_shared() for field in packed[1:-1])
 
 
 # ----------------------------------------------------------------------------- decoder
 
 def decoded(mixed_folder, train=True, channels_last=False):
-    boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
+    boxes = TrainBoxes(0, 0.08, 0.5, SIZE) if train else CenterBoxes(SIZE, val_resize(SIZE, 0.875))
     dataset = ByteSamples(mixed_folder, boxes)
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
-    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, channels_last, name_of=dataset.name,
+    decoder = GpuBatchDecoder("cpu", IMAGENET_MEAN, IMAGENET_STD, channels_last, name_of=dataset.name,
                               train=train)
     return decoder(packed), packed
 
@@ -426,13 +427,13 @@ def test_decoder_repeats_bit_for_bit(mixed_folder):
 def test_corrupt_file_is_a_usage_error_naming_it(tmp_path):
     bad = tmp_path / "broken.JPEG"
     bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg at all" * 3)
-    dataset = ByteSamples([(str(bad), 0)], TrainBoxes(0, 0.08, 0.5))
+    dataset = ByteSamples([(str(bad), 0)], TrainBoxes(0, 0.08, 0.5, SIZE))
     with pytest.raises(UsageError, match="broken.JPEG"):
         dataset[(0, 0)]
     truncated = tmp_path / "cut.JPEG"
     truncated.write_bytes(odd_files()[0][1][:300])
     with pytest.raises(UsageError, match="cut.JPEG"):
-        ByteSamples([(str(truncated), 0)], TrainBoxes(0, 0.08, 0.5))[(0, 0)]
+        ByteSamples([(str(truncated), 0)], TrainBoxes(0, 0.08, 0.5, SIZE))[(0, 0)]
 
 
 def test_an_image_pil_refuses_as_a_decompression_bomb_is_a_usage_error_naming_it(tmp_path):
@@ -448,9 +449,9 @@ def test_an_image_pil_refuses_as_a_decompression_bomb_is_a_usage_error_naming_it
     with pytest.raises(UsageError, match="huge.png"):
         rgb_pixels(big)
     with pytest.raises(UsageError, match="huge.png"):
-        ByteSamples([(str(big), 0)], TrainBoxes(0, 0.08, 0.5))[(0, 0)]
+        ByteSamples([(str(big), 0)], TrainBoxes(0, 0.08, 0.5, SIZE))[(0, 0)]
     with pytest.raises(UsageError, match="huge.png"):
-        image_folder(str(tmp_path), "val", val_transform(SIZE, 0.875))[0]
+        image_folder(str(tmp_path), "val", val_transform(SIZE, val_resize(SIZE, 0.875)))[0]
 
 
 def garbled_scan(jpeg):
@@ -460,8 +461,9 @@ def garbled_scan(jpeg):
 
 
 def whole_image_sample(data, label, index):
-    """A ByteSamples item for a 160x120 JPEG payload whose box is the whole image, unflipped."""
-    return np.frombuffer(data, np.uint8), label, (0, 0, 120, 160, False), index, 120, 160, False
+    """A ByteSamples item for a 160x120 JPEG payload whose box is the whole image, unflipped, to
+    be resized to SIZE."""
+    return np.frombuffer(data, np.uint8), label, (0, 0, 120, 160, False), index, 120, 160, False, SIZE
 
 
 @pytest.mark.parametrize("name,data,route", odd_files(), ids=[f[0] for f in odd_files()])
@@ -499,7 +501,7 @@ def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, t
         return pil_rgb(data, name)
 
     samples = [whole_image_sample(good, 0, 0), whole_image_sample(bad, 1, 1)]
-    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, cpu_fallback=fallback, name_of=names.get)
+    decoder = GpuBatchDecoder("cpu", IMAGENET_MEAN, IMAGENET_STD, cpu_fallback=fallback, name_of=names.get)
     with pytest.raises(UsageError, match="bad.JPEG"):
         decoder(pack_bytes(samples))
     assert calls == ["bad.JPEG"]
@@ -509,10 +511,10 @@ def test_decoder_falls_back_per_file_when_the_batch_decode_fails(mixed_folder, t
 def test_threaded_batches_equal_the_callers_own_in_order(mixed_folder, threads):
     """GpuBatches' decode threads (2: decode and resampling in two, CUDA's default; 1: one)
     hand over the same batches, in loader order, as decoding in the calling thread."""
-    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5, SIZE))
     packed = [pack_bytes([dataset[(index, 1)] for index in range(start, min(start + 3, len(dataset)))])
               for start in range(0, len(dataset), 3)]
-    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of=dataset.name)
+    decoder = GpuBatchDecoder("cpu", IMAGENET_MEAN, IMAGENET_STD, name_of=dataset.name)
     expected = list(GpuBatches(packed, decoder, threads=0))
     got = list(GpuBatches(packed, decoder, threads=threads))
     assert len(got) == len(packed) > 1
@@ -525,9 +527,9 @@ def test_threads_start_decoding_at_iter_and_close_ends_them(mixed_folder, thread
     """iter() starts the decode threads (train.py starts the next epoch before validating), with
     no batch asked for yet; close() of the iterator ends every stage's thread."""
     import threading
-    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5, SIZE))
     packed = [pack_bytes([dataset[(index, 1)]]) for index in range(len(dataset))]
-    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of=dataset.name)
+    decoder = GpuBatchDecoder("cpu", IMAGENET_MEAN, IMAGENET_STD, name_of=dataset.name)
     decoded = threading.Event()
     taken = []
 
@@ -557,7 +559,7 @@ def test_a_decode_error_in_a_thread_reaches_the_training_loop(mixed_folder, thre
     good = open(mixed_folder[0][0], "rb").read()
     batches = [pack_bytes([whole_image_sample(data, 0, index)])
                for index, data in enumerate([good, garbled_scan(good), good])]
-    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD, name_of={0: "a", 1: "bad.JPEG", 2: "c"}.get)
+    decoder = GpuBatchDecoder("cpu", IMAGENET_MEAN, IMAGENET_STD, name_of={0: "a", 1: "bad.JPEG", 2: "c"}.get)
     iterator = iter(GpuBatches(batches, decoder, threads=threads))
     images, _ = next(iterator)
     assert images.shape == (1, 3, SIZE, SIZE)
@@ -576,8 +578,8 @@ def jpeg_decoder(request):
     return request.param
 
 
-def gpu_decoder(dataset, jpeg_decoder, train=True, size=SIZE):
-    return GpuBatchDecoder("cuda", size, IMAGENET_MEAN, IMAGENET_STD, channels_last=True, name_of=dataset.name,
+def gpu_decoder(dataset, jpeg_decoder, train=True):
+    return GpuBatchDecoder("cuda", IMAGENET_MEAN, IMAGENET_STD, channels_last=True, name_of=dataset.name,
                            train=train, jpeg_decoder=jpeg_decoder)
 
 
@@ -587,7 +589,7 @@ def test_gpu_finish_in_one_kernel_equals_the_torch_ops(mixed_folder, train):
     """The decoder's last pass (utils.data.gpu.canvas_kernel.normalise_into per chunk) gives bit for bit
     what resample_batch and the torch normalisation give, for a batch split into several chunks."""
     from utils.data.gpu.resample import resample_batch
-    boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
+    boxes = TrainBoxes(0, 0.08, 0.5, SIZE) if train else CenterBoxes(SIZE, val_resize(SIZE, 0.875))
     dataset = ByteSamples(mixed_folder, boxes)
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
     decoder = gpu_decoder(dataset, "cuda", train=train)
@@ -616,7 +618,7 @@ def test_gpu_decoded_pixels_close_to_pil(mixed_folder, jpeg_decoder):
 @pytest.mark.gpu
 @pytest.mark.parametrize("train", [True, False], ids=["train", "val"])
 def test_gpu_pipeline_matches_the_cpu_backend(mixed_folder, train, jpeg_decoder):
-    boxes = TrainBoxes(0, 0.08, 0.5) if train else CenterBoxes(SIZE, 0.875)
+    boxes = TrainBoxes(0, 0.08, 0.5, SIZE) if train else CenterBoxes(SIZE, val_resize(SIZE, 0.875))
     dataset = ByteSamples(mixed_folder, boxes)
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
     images, targets = gpu_decoder(dataset, jpeg_decoder, train)(packed)
@@ -632,7 +634,7 @@ def test_gpu_pipeline_matches_the_cpu_backend(mixed_folder, train, jpeg_decoder)
 
 @pytest.mark.gpu
 def test_gpu_pipeline_repeats_bit_for_bit(mixed_folder, jpeg_decoder):
-    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5, SIZE))
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
     decoder = gpu_decoder(dataset, jpeg_decoder)
     first = decoder(packed)[0].cpu()
@@ -644,7 +646,7 @@ def test_gpu_pipeline_repeats_bit_for_bit(mixed_folder, jpeg_decoder):
 def test_gpu_decode_survives_queued_work_on_the_consumer_stream(mixed_folder, jpeg_decoder):
     """pytorch/vision#9606: tensors freed while kernels queued on the caller's stream still read
     them must not be overwritten by the decode. Queue a long matmul chain, free its inputs, decode."""
-    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5, SIZE))
     packed = pack_bytes([dataset[(index, 1)] for index in range(len(dataset))])
     decoder = gpu_decoder(dataset, jpeg_decoder)
     for _ in range(20):
@@ -666,7 +668,7 @@ def test_gpu_threads_hand_over_the_decoders_batches_under_queued_work(mixed_fold
     directly, while the consumer keeps its stream busy (batches read only after it): the default
     stream, or a side stream current in the consumer's thread only (the hand-over orders the
     stream of the thread that takes the batch, not the decode threads' own current stream)."""
-    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5))
+    dataset = ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5, SIZE))
     batches = [pack_bytes([dataset[(index, epoch)] for index in range(len(dataset))]) for epoch in range(8)]
     decoder = gpu_decoder(dataset, jpeg_decoder)
     expected = [decoder(packed)[0].cpu() for packed in batches]
@@ -754,8 +756,8 @@ def test_phase_timing_leaves_the_threaded_loader_alone(mixed_folder):
     read theirs, so with threads it stays unwrapped (its ranges would land in the main thread's
     table, as a negative host-to-device), and with none it is wrapped."""
     from utils.profiling import TimedLoader, time_data_wait
-    decoder = GpuBatchDecoder("cpu", SIZE, IMAGENET_MEAN, IMAGENET_STD)
-    loader = torch.utils.data.DataLoader(ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5)), batch_size=2,
+    decoder = GpuBatchDecoder("cpu", IMAGENET_MEAN, IMAGENET_STD)
+    loader = torch.utils.data.DataLoader(ByteSamples(mixed_folder, TrainBoxes(0, 0.08, 0.5, SIZE)), batch_size=2,
                                          collate_fn=pack_bytes)
     threaded, inline = GpuBatches(loader, decoder, threads=2), GpuBatches(loader, decoder, threads=0)
     assert time_data_wait(threaded, phases=None) is False and threaded.loader is loader

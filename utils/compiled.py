@@ -67,9 +67,25 @@ def resolve_compile(requested, mode="default"):
                                    "dynamo_backend setting (compiled once, by this script)")
 
 
-def compile_model(model, backend, log, mode="default"):
+def compiled_sizes_note(sizes, backend, mode="default"):
+    """The start-up line's words for a compiled model trained at several sizes (progressive
+    resizing): each size is a graph of its own (dynamic=False), and with reduce-overhead its CUDA
+    graphs are captured per size too. Empty for one size or no compile."""
+    if not backend or len(sizes) < 2:
+        return ""
+    graphs = ", CUDA graphs captured per size" if mode == "reduce-overhead" else ""
+    return f" | torch.compile: {len(sizes)} train sizes, one compiled graph each{graphs}"
+
+
+def compile_model(model, backend, log, mode="default", sizes=1):
     """torch.compile(model); the first forward's wall time (the compile) is logged once.
-    mode is torch.compile's (inductor only: other backends take none)."""
+    mode is torch.compile's (inductor only: other backends take none). sizes: how many input
+    sizes training uses (progressive resizing), each a graph of its own."""
+    # Dynamo keeps a few graphs per forward (training, validation, its last short batch, ...)
+    # and falls back to eager past its limit; each training size needs one more.
+    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    if limit is not None and sizes > 1:
+        torch._dynamo.config.recompile_limit = max(limit, 8 + sizes)
     mode = None if mode == "default" or backend != DEFAULT_BACKEND else mode
     compiled = torch.compile(model, backend=backend, dynamic=False, mode=mode)
     clock = {}

@@ -41,12 +41,19 @@ class Schedule:
 
 def learning_rate(schedule, epoch, step, steps_per_epoch, global_batch):
     """Apex schedule: lr x global_batch/256, linear warmup, x0.1 at each milestone in --lr-steps
-    the epoch has reached (30, 60, 80 for ImageNet), or cosine to --min-lr (default 0). --min-lr
-    is an absolute LR (timm's meaning, not scaled by the batch): the floor of both schedules."""
+    the epoch has reached (30, 60, 80 for ImageNet), or cosine to --min-lr (default 0), or linear:
+    from the peak at the warmup's end straight down to --min-lr at the last step (the warmup and
+    this line make FFCV's triangular schedule). --min-lr is an absolute LR (timm's meaning, not
+    scaled by the batch): the floor of every schedule."""
     peak = schedule.lr * global_batch / 256.0
     min_lr = min(schedule.min_lr, peak)
     if schedule.lr_schedule == "step":
         lr = max(peak * 0.1 ** sum(1 for milestone in schedule.lr_steps if epoch >= milestone), min_lr)
+    elif schedule.lr_schedule == "linear":
+        warm = schedule.warmup_epochs * steps_per_epoch
+        done = epoch * steps_per_epoch + step - warm
+        progress = max(0.0, done / float(max(1, schedule.epochs * steps_per_epoch - warm)))
+        lr = peak - (peak - min_lr) * progress
     else:
         progress = (epoch * steps_per_epoch + step) / float(schedule.epochs * steps_per_epoch)
         lr = min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -310,17 +317,31 @@ def share_buffers_from_main(model, accelerator):
         torch.distributed.broadcast(buffer, src=0)
 
 
+TTA_MODES = ("none", "flip")  # --tta's choices
+
+
 @torch.no_grad()
-def validate(model, data, precision, accelerator, *, print_freq, criterion=None, watch=None, label=""):
+def validate(model, data, precision, accelerator, *, print_freq, criterion=None, watch=None, label="",
+             tta="none", on_logits=None):
     """Top-1/top-5/loss over the whole val split, every image counted once across processes.
     criterion: the loss reported (cross-entropy on the hard labels unless given); watch: its log
     and progress bar are used; label: a word for the summary line (" * EMA Prec@1 ..." for the
     --model-ema weights).
 
+    tta "flip" (--tta) also scores each batch mirrored (the width axis) and counts top-1/top-5 of
+    the mean of the two logits, in fp32: one more line after the plain one, " * TTA flip Prec@1 ..."
+    (" * EMA TTA flip ..." with label), and EpochResult.tta_top1/tta_top5. The loss, the progress
+    lines and the plain line stay those of the un-flipped logits. on_logits(logits, target), if
+    given, sees every batch's scored logits in loader order: the TTA mean under "flip", else the
+    plain ones (eval.py --predictions).
+
     The model is used unwrapped (no DDP collectives), because processes may hold one batch more
     or less than each other. Progress lines show this process's running figures; the final line
     is reduced over all processes.
     """
+    if tta not in TTA_MODES:  # eval.py takes a checkpoint's stored --tta as it is: argparse checks no defaults
+        raise UsageError(f"--tta {tta!r}: not a test-time augmentation ({', '.join(TTA_MODES)}); give --tta none "
+                         "or --tta flip")
     watch = watch or Watch()
     log, progress = watch.log, watch.progress
     criterion = criterion or torch.nn.CrossEntropyLoss().to(accelerator.device)
@@ -328,6 +349,7 @@ def validate(model, data, precision, accelerator, *, print_freq, criterion=None,
     share_buffers_from_main(model, accelerator)
     model.eval()
     meter = DeviceMeter(accelerator.device, data.num_classes)
+    tta_meter = DeviceMeter(accelerator.device, data.num_classes) if tta == "flip" else None
     steps = len(data.val)
     start = time.perf_counter()
     progress.begin(steps, "Test", unit="batch")
@@ -337,7 +359,14 @@ def validate(model, data, precision, accelerator, *, print_freq, criterion=None,
         with precision.autocast():
             output = model(images)
             loss = criterion(output, target)
+            mirrored = model(images.flip(3)) if tta_meter is not None else None  # flip keeps the strides
         meter.update(loss, output, target)
+        scored = output
+        if mirrored is not None:
+            scored = (output.float() + mirrored.float()) / 2  # fp32: two fp16 logits' sum can overflow
+            tta_meter.update(loss, scored, target)  # its loss is never read: the plain one is reported
+        if on_logits is not None:
+            on_logits(scored, target)
         run_ahead.step_queued()
         progress.advance()
         if (step + 1) % print_freq == 0 and step + 1 < steps:
@@ -348,10 +377,16 @@ def validate(model, data, precision, accelerator, *, print_freq, criterion=None,
                 f"Loss {running['loss']:.4f}\tPrec@1 {running['top1']:.3f}\tPrec@5 {running['top5']:.3f}")
     progress.end()
     _, total = meter.read(accelerator)
+    _, tta_total = tta_meter.read(accelerator) if tta_meter is not None else (None, None)
     seconds = time.perf_counter() - start
-    log(f" * {label + ' ' if label else ''}Prec@1 {total['top1']:.3f} Prec@5 {total['top5']:.3f}")
+    prefix = f" * {label + ' ' if label else ''}"
+    log(f"{prefix}Prec@1 {total['top1']:.3f} Prec@5 {total['top5']:.3f}")  # first: Apex's log readers parse it
+    if tta_total is not None:
+        log(f"{prefix}TTA {tta} Prec@1 {tta_total['top1']:.3f} Prec@5 {tta_total['top5']:.3f}")
     return EpochResult(total["loss"], total["top1"], total["top5"], total["count"], seconds,
-                       total["count"] / max(seconds, 1e-9))
+                       total["count"] / max(seconds, 1e-9),
+                       tta_top1=tta_total["top1"] if tta_total else None,
+                       tta_top5=tta_total["top5"] if tta_total else None)
 
 
 def diverged_message(reason, epoch, step, steps, lr, last_good):

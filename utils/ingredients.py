@@ -1,6 +1,7 @@
-"""Training ingredients (label smoothing, mixup/cutmix, RandAugment/TrivialAugment, random erasing,
-EMA of weights, AdamW/LAMB, no weight decay on norms and biases, gradient accumulation), each
-built from the torch/timm/torchvision piece that implements it; nothing here re-implements one.
+"""Training ingredients (label smoothing, binary cross-entropy, mixup/cutmix, RandAugment/
+TrivialAugment, random erasing, EMA of weights, AdamW/LAMB, no weight decay on norms and biases,
+gradient accumulation), each built from the torch/timm/torchvision piece that implements it;
+nothing here re-implements one (the BCE loss only builds timm's targets for torch's loss).
 
 Each builder returns the ingredient, or None where its flag is off, so the Apex recipe (SGD, hard
 targets, crop + flip only) is what a run gets with every flag at its default. Where an ingredient
@@ -25,21 +26,60 @@ TRIVIAL_AUGMENT = ("ta_wide", "trivial")
 
 # --- loss ------------------------------------------------------------------------------------
 
-def build_criterion(label_smoothing=0.0, mixup_active=False):
+def build_criterion(label_smoothing=0.0, mixup_active=False, bce=False, target_thresh=None, num_classes=None):
     """The training loss.
 
     Without mixup/cutmix: torch's CrossEntropyLoss(label_smoothing=...) on hard targets. With
     mixup/cutmix on: timm's SoftTargetCrossEntropy, because the Mixup object (build_mixup) has
     already turned the targets into mixed, smoothed distributions; smoothing twice would be wrong.
-    Validation always uses plain CrossEntropyLoss on hard targets, and top-1/top-5 in training must
-    be measured against the hard targets kept from before mixing.
+    bce (--bce-loss, with --bce-target-thresh as target_thresh): BinaryCrossEntropy over
+    num_classes outputs instead, on the same targets. Validation always uses plain
+    CrossEntropyLoss on hard targets, and top-1/top-5 in training must be measured against the
+    hard targets kept from before mixing.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise UsageError(f"--label-smoothing must be in [0, 1), got {label_smoothing}")
+    if target_thresh is not None and not bce:
+        raise ValueError("target_thresh is a threshold of the BCE targets: it needs bce")
+    if bce:
+        # Mixup's soft targets carry the smoothing already, as for SoftTargetCrossEntropy.
+        return BinaryCrossEntropy(num_classes, 0.0 if mixup_active else label_smoothing, target_thresh)
     if mixup_active:
         from timm.loss import SoftTargetCrossEntropy
         return SoftTargetCrossEntropy()
     return nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+
+class BinaryCrossEntropy(nn.Module):
+    """timm's BinaryCrossEntropy (the ResNet-strikes-back loss) at its defaults: one sigmoid per
+    class against one-hot targets, the mean over batch and classes.
+
+    Hard labels become one-hot targets smoothed as timm (and its Mixup) smooth them, off = s/C,
+    on = 1 - s + s/C; soft targets (mixup/cutmix's, of the logits' shape) are taken as they are.
+    target_thresh: targets above it become 1, the rest 0, after the smoothing (so a threshold
+    between s/C and 1 - s + s/C gives the unsmoothed one-hot, as in timm). Computed in fp32,
+    whatever dtype autocast gave the logits."""
+
+    def __init__(self, num_classes, smoothing=0.0, target_thresh=None):
+        super().__init__()
+        if not num_classes:
+            raise ValueError("BinaryCrossEntropy needs num_classes: the model's outputs")
+        self.num_classes, self.smoothing, self.target_thresh = num_classes, smoothing, target_thresh
+
+    def targets(self, target, device):
+        """The fp32 (batch, num_classes) targets for hard labels or soft targets."""
+        if target.ndim == 2:
+            target = target.to(device=device, dtype=torch.float32)
+        else:
+            off = self.smoothing / self.num_classes
+            target = torch.full((target.shape[0], self.num_classes), off, device=device).scatter_(
+                1, target.long().view(-1, 1).to(device), 1.0 - self.smoothing + off)
+        if self.target_thresh is not None:
+            target = target.gt(self.target_thresh).float()
+        return target
+
+    def forward(self, logits, target):
+        return nn.functional.binary_cross_entropy_with_logits(logits.float(), self.targets(target, logits.device))
 
 
 # --- mixup / cutmix --------------------------------------------------------------------------

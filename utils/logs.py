@@ -7,7 +7,8 @@ never sees half of it:
   summary.csv   one row per epoch: epoch (0-based, as the Apex lines), train loss and top-1,
                 val loss, top-1 and top-5, lr at the epoch's last step, img/s (all processes),
                 skipped steps and loss scale (empty without loss scaling), the EMA's val
-                top-1 and top-5 (empty without --model-ema)
+                top-1 and top-5 (empty without --model-ema); with --tta, then tta_top1, tta_top5,
+                ema_tta_top1, ema_tta_top5 (columns only in a file with a row that has them)
   curves.png    loss and top-1 per epoch, redrawn after every epoch and at the end
 --log-with sends the same per-epoch figures to TensorBoard (OUTPUT_DIR/runs/imagenet-amp/) and/or
 Weights & Biases through Accelerate's trackers.
@@ -27,6 +28,10 @@ from utils.run.files import atomic_write
 PROJECT = "imagenet-amp"  # the TensorBoard run folder and the W&B project
 SUMMARY_COLUMNS = ("epoch", "train_loss", "train_top1", "val_loss", "top1", "top5", "lr", "img_per_s",
                    "skipped_steps", "loss_scale", "ema_top1", "ema_top5")
+# --tta's figures: a file gets these columns only when one of its rows has them, so a run without
+# --tta writes the header it always did; a resume rewrites every row, so a run that turns --tta on
+# gets them with empty cells in the earlier rows.
+TTA_COLUMNS = ("tta_top1", "tta_top5", "ema_tta_top1", "ema_tta_top5")
 TRACKERS = {"none": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",), "all": ("tensorboard", "wandb")}
 
 
@@ -76,11 +81,13 @@ def read_summary(path):
 
 
 def write_summary(rows, path):
+    tta = any(row.get(key) is not None for row in rows for key in TTA_COLUMNS)
+    columns = SUMMARY_COLUMNS + TTA_COLUMNS if tta else SUMMARY_COLUMNS
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=SUMMARY_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({key: ("" if row.get(key) is None else _csv_number(row[key])) for key in SUMMARY_COLUMNS})
+        writer.writerow({key: ("" if row.get(key) is None else _csv_number(row[key])) for key in columns})
     atomic_write(path, text.getvalue())
 
 
@@ -173,7 +180,9 @@ class RunLog:
                "top1": val.top1, "top5": val.top5, "lr": optimizer.param_groups[0]["lr"],
                "img_per_s": train.images_per_sec, "skipped_steps": train.skipped_steps,
                "loss_scale": train.loss_scale, "ema_top1": ema.top1 if ema is not None else None,
-               "ema_top5": ema.top5 if ema is not None else None}
+               "ema_top5": ema.top5 if ema is not None else None, "tta_top1": val.tta_top1, "tta_top5": val.tta_top5,
+               "ema_tta_top1": ema.tta_top1 if ema is not None else None,
+               "ema_tta_top5": ema.tta_top5 if ema is not None else None}
         self.rows.append(row)
         write_summary(self.rows, self.summary)
         self.draw()
@@ -184,6 +193,7 @@ class RunLog:
             values["loss_scale"] = train.loss_scale
         if ema is not None:
             values.update({"val/ema_top1": ema.top1, "val/ema_top5": ema.top5})
+        values.update({f"val/{key}": row[key] for key in TTA_COLUMNS if row[key] is not None})
         self.accelerator.log(values, step=epoch)
 
     def draw(self):

@@ -75,6 +75,8 @@ class EpochResult:
     step: int = None         # the last step run (1-based, as the log lines), for messages
     lr: float = None         # the LR of that step
     sums: list = None        # loss x n, top-1 and top-5 hits, n: what a mid-epoch checkpoint carries
+    tta_top1: float = None   # validation's --tta figures (the mean of the plain and the mirrored logits)
+    tta_top5: float = None
 
     def so_far(self):
         """A mid-epoch checkpoint's record of the epoch until its step (train_one_epoch's carried)."""

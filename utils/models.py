@@ -183,6 +183,71 @@ def build_model(arch, num_classes, pretrained=False, drop_path=0.0):
         raise
 
 
+# --- --blurpool: FFCV's anti-aliased downsampling ---------------------------------------------
+
+# torchvision's ResNet class builds these; their strided convolutions are where FFCV's recipe blurs.
+BLURPOOL_ARCHS = ("resnet", "resnext", "wide_resnet")
+BLURPOOL_MIN_CHANNELS = 16  # FFCV's bound: the 3-channel stem sees raw pixels and stays plain
+
+
+def _binomial_filter(channels, device=None, dtype=None):
+    """([1,2,1] outer [1,2,1]) / 16 for each of channels, as a depthwise (channels, 1, 3, 3) weight."""
+    row = torch.tensor([1.0, 2.0, 1.0], device=device)
+    blur = torch.outer(row, row) / 16
+    return blur.expand(channels, 1, 3, 3).to(dtype or torch.float32).clone()
+
+
+class BlurPoolConv2d(nn.Conv2d):
+    """A Conv2d that first blurs its input, channel by channel, with a fixed binomial 3x3 filter
+    (stride 1, zero padding 1), so its stride samples a low-passed signal (FFCV's BlurPoolConv2d).
+
+    The filter is a non-persistent buffer: the state_dict holds the plain Conv2d's keys only, so
+    checkpoints load into either model, while .to(), .half(), channels_last and the opt levels'
+    casts (Module._apply) still move and cast it with the weights. forward casts it to the
+    input's dtype too, so a half input meets a half filter wherever the model was cast."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("blur_filter", _binomial_filter(self.in_channels, self.weight.device, self.weight.dtype),
+                             persistent=False)
+
+    @classmethod
+    def from_conv(cls, conv):
+        """The same convolution, blurred, sharing conv's parameters (pretrained or loaded weights
+        are kept). Built on the meta device so no weight is initialised: the RNG draws of the
+        model build stay those of the plain model."""
+        with torch.device("meta"):
+            new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                      conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)
+        new.weight, new.bias = conv.weight, conv.bias
+        new.blur_filter = _binomial_filter(conv.in_channels, conv.weight.device, conv.weight.dtype)
+        return new.train(conv.training)
+
+    def forward(self, x):
+        blurred = nn.functional.conv2d(x, self.blur_filter.to(x.dtype), padding=1, groups=self.in_channels)
+        return super().forward(blurred)
+
+
+def check_blurpool(arch):
+    """Refuse --blurpool for any model but torchvision's ResNets, the models FFCV's recipe was made for."""
+    if arch.startswith("timm/") or not arch.startswith(BLURPOOL_ARCHS):
+        raise UsageError(f"--blurpool: -a {arch} is not a torchvision ResNet; --blurpool supports torchvision's "
+                         "resnet*, resnext* and wide_resnet* models only: drop --blurpool or pick one of those")
+
+
+def apply_blurpool(model, arch):
+    """--blurpool on a built model, in place: every Conv2d with a stride > 1 and at least
+    BLURPOOL_MIN_CHANNELS input channels becomes a BlurPoolConv2d with the same weights (resnet50:
+    the strided 3x3 and 1x1 downsample convolution of layer2-4's first block, 6 in all). Returns model."""
+    check_blurpool(arch)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if (type(child) is nn.Conv2d and max(child.stride) > 1
+                    and child.in_channels >= BLURPOOL_MIN_CHANNELS):
+                setattr(parent, name, BlurPoolConv2d.from_conv(child))
+    return model
+
+
 def fixed_input_size(model):
     """The one square image size a model takes (ViT-style: position embeddings fix it), or None.
     torchvision's VisionTransformer keeps it in .image_size; timm marks such models'

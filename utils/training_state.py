@@ -8,7 +8,7 @@ import torch
 from utils.compiled import compile_model
 from utils.device import want_sync_bn, warn
 from utils.ingredients import build_ema, build_optimizer
-from utils.models import build_model, check_input_size
+from utils.models import apply_blurpool, build_model, check_input_size
 from utils.precision import Precision
 from utils.run.checkpoint import load_checkpoint, load_model_weights
 from utils.run.errors import UsageError, first_line
@@ -16,17 +16,19 @@ from utils.run.errors import UsageError, first_line
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The model a run builds: -a, --pretrained, --drop-path, the train crop it must accept, the
-    memory format, --sync_bn, the resolved torch.compile backend (False: none) and mode, --seed."""
+    """The model a run builds: -a, --pretrained, --drop-path, the input sizes it must accept, the
+    memory format, --sync_bn, the resolved torch.compile backend (False: none) and mode, --seed,
+    --blurpool."""
     arch: str
     pretrained: bool = False
     drop_path: float = 0.0
-    image_size: int = 224
+    input_sizes: tuple = (224,)  # the training crop size of every epoch, then validation's
     channels_last: bool = False
     sync_bn: bool = False
     compile: object = False
     compile_mode: str = "default"
     seed: int = 0
+    blurpool: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,10 @@ def build_training_state(model_spec, optimizer_spec, accelerator, plan, num_clas
     torch.manual_seed(spec.seed)
     pretrained = spec.pretrained and checkpoint is None  # a resumed run's weights come from its checkpoint
     model = build_model(spec.arch, num_classes, pretrained, spec.drop_path)
-    check_input_size(model, spec.arch, spec.image_size)
+    if spec.blurpool:  # before the weights load, the cast and DDP: its blur filters follow them all
+        apply_blurpool(model, spec.arch)
+    for size in dict.fromkeys(spec.input_sizes):
+        check_input_size(model, spec.arch, size)
     if checkpoint is not None:
         load_model_weights(model, checkpoint["state_dict"], spec.arch, checkpoint.path)
     if want_sync_bn(spec.sync_bn, accelerator):
@@ -111,7 +116,7 @@ def build_training_state(model_spec, optimizer_spec, accelerator, plan, num_clas
     precision.skips_on_device = built.skips_on_device
     model, optimizer = accelerator.prepare(model, built.optimizer)
     if spec.compile:  # after prepare: DDP's buckets see the compiled graph (utils/compiled.py)
-        model = compile_model(model, spec.compile, accelerator.print, spec.compile_mode)
+        model = compile_model(model, spec.compile, accelerator.print, spec.compile_mode, len(set(spec.input_sizes)))
     return TrainingState(model, optimizer, precision, accelerator)
 
 

@@ -28,7 +28,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 class SeededSamples(torch.utils.data.Dataset):
     """Applies the dataset's keyed train crop (train_transform) with the sample's (seed, epoch,
-    index), after seeding torch's RNG from the same key for any further random transform."""
+    index, repeat), after seeding torch's RNG from the same key for any further random transform.
+    The key is (index, epoch) or, from the repeated-augmentation sampler, (index, epoch, repeat)."""
 
     def __init__(self, dataset, seed, extra=None):
         self.dataset = dataset
@@ -50,12 +51,13 @@ class SeededSamples(torch.utils.data.Dataset):
             return self._sample(key)
 
     def _sample(self, key):
-        index, epoch = key
+        index, epoch, repeat = (*key, 0)[:3]
         # The CPU generator only: the transforms here draw from nothing else, and torch.manual_seed
         # (which also visits every accelerator backend) costs 0.3 ms a sample, as much as a resize.
-        torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 10_000_019 + index) % (2 ** 63))
+        seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + index
+        torch.default_generator.manual_seed((seed * 7 + repeat if repeat else seed) % (2 ** 63))
         image, label = self.dataset[index]
-        image = self.crop(image, self.seed, epoch, index)  # a uint8 HWC tensor
+        image = self.crop(image, self.seed, epoch, index, repeat)  # a uint8 HWC tensor
         if self.extra is not None:  # the policies take PIL images
             image = self.extra(Image.fromarray(image.numpy()))
         return image, label
@@ -109,6 +111,27 @@ class ShardedEpochSampler(torch.utils.data.Sampler):
         usable = (self.size // self.global_batch) * self.global_batch
         for index in order[:usable][self.rank::self.world][self.skip:].tolist():
             yield index, self.epoch
+
+
+class RepeatedAugmentationSampler(ShardedEpochSampler):
+    """Repeated augmentation (torchvision's RASampler, --ra-reps N): the epoch's shuffle with each
+    image written N times in a row, dealt to the ranks in turn, so with N or more processes an
+    image's copies land on different ranks, in the same step; each copy has its own crop (the
+    key's repeat number). Each rank keeps as many samples as ShardedEpochSampler gives it, so an
+    epoch is as long as without repeats and holds about 1/N of the images, N times each. Yields
+    (index, epoch, repeat); set_epoch and mid-epoch resume work as for ShardedEpochSampler."""
+
+    def __init__(self, size, batch_size, rank, world, seed, reps):
+        super().__init__(size, batch_size, rank, world, seed)
+        self.reps = reps
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator)
+        repeated = order.repeat_interleave(self.reps)
+        positions = torch.arange(len(repeated))[self.rank::self.world][:len(self)][self.skip:]
+        for index, repeat in zip(repeated[positions].tolist(), (positions % self.reps).tolist()):
+            yield index, self.epoch, repeat
 
 
 def fast_collate(batch):
@@ -244,7 +267,9 @@ def sharded_data(train_set, val_set, num_classes, spec, accelerator):
     rank, world = accelerator.process_index, accelerator.num_processes
     val_indices = list(range(rank, len(val_set), world))
     sampler = None
-    if train_set is not None:
+    if train_set is not None and spec.ra_reps > 1:
+        sampler = RepeatedAugmentationSampler(len(train_set), spec.batch_size, rank, world, spec.seed, spec.ra_reps)
+    elif train_set is not None:
         sampler = ShardedEpochSampler(len(train_set), spec.batch_size, rank, world, spec.seed)
     aa = spec.aa if train_set is not None else "none"
     if spec.backend == "gpu":
@@ -259,7 +284,7 @@ def sharded_data(train_set, val_set, num_classes, spec, accelerator):
         val = DevicePrefetcher(load(val_set, val_indices), device, mean, std, spec.channels_last)
         train = None
         if train_set is not None:
-            extra = augment_transform(aa, spec.image_size, mean, spec.interpolation or "bilinear")
+            extra = augment_transform(aa, spec.sizes.max_res, mean, spec.interpolation or "bilinear")
             train = DevicePrefetcher(load(SeededSamples(train_set, spec.seed, extra), sampler),
                                      device, mean, std, spec.channels_last)
     return Data(train, val, num_classes, len(val_set), sampler, getattr(val_set, "classes", None))
@@ -275,7 +300,7 @@ def gpu_backend(train_set, val_set, sampler, val_indices, spec, device):
 
     def batches(dataset, boxes, order, train):
         samples = ByteSamples(dataset.samples, boxes)
-        decoder = GpuBatchDecoder(device, spec.image_size, spec.mean, spec.std, spec.channels_last,
+        decoder = GpuBatchDecoder(device, spec.mean, spec.std, spec.channels_last,
                                   name_of=samples.name, interpolation=spec.interpolation, train=train,
                                   jpeg_decoder=spec.jpeg_decoder)
         # No pinning: nvJPEG reads the bytes from host memory itself; pinning would only copy them.
@@ -283,8 +308,8 @@ def gpu_backend(train_set, val_set, sampler, val_indices, spec, device):
                               pin_memory=False)
         return GpuBatches(loader, decoder)
 
-    val = batches(val_set, CenterBoxes(spec.image_size, spec.crop_pct), val_indices, train=False)
+    val = batches(val_set, CenterBoxes(*spec.val_geometry), val_indices, train=False)
     train = None
     if train_set is not None:
-        train = batches(train_set, TrainBoxes(spec.seed, spec.min_scale, spec.hflip), sampler, train=True)
+        train = batches(train_set, TrainBoxes(spec.seed, spec.min_scale, spec.hflip, spec.sizes), sampler, train=True)
     return train, val

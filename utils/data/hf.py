@@ -257,11 +257,11 @@ def hf_dataset_pair(spec, accelerator, train=True):
         columns = found
     num_classes = count_classes(named, columns[1], data, train_name if train else None)
     interpolation = spec.interpolation
-    val_set = HFImages(splits[val_name], *columns, val_transform(spec.image_size, spec.crop_pct, interpolation),
+    val_set = HFImages(splits[val_name], *columns, val_transform(*spec.val_geometry, interpolation),
                        f"split {val_name!r} of {data!r}")
     train_set = None
     if train:
         train_set = HFImages(splits[train_name], *columns,
-                             train_transform(spec.image_size, spec.min_scale, spec.hflip, interpolation),
+                             train_transform(spec.sizes, spec.min_scale, spec.hflip, interpolation),
                              f"split {train_name!r} of {data!r}")
     return train_set, val_set, num_classes

@@ -6,10 +6,11 @@ import sys
 from dataclasses import dataclass
 
 from utils.data.batches import IMAGENET_MEAN, IMAGENET_STD, Data, sharded_data
-from utils.data.crops import train_transform, val_transform
+from utils.data.crops import train_transform, val_resize, val_transform
 from utils.data.digits import ensure_digits
 from utils.data.folder import check_image_folder, image_folder, skipped_message
 from utils.data.hf import hf_dataset_pair, reject_dataset_flags
+from utils.data.sizes import TrainSizes
 from utils.data.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, SYNTHETIC_VAL_STEPS, SyntheticBatches
 from utils.run.errors import UsageError
 
@@ -23,8 +24,12 @@ class DataSpec:
     batch_size: int              # per process
     workers: int                 # loader worker processes per process
     seed: int
-    image_size: int
-    crop_pct: float = 0.875      # validation: Resize(image_size / crop_pct), then CenterCrop
+    image_size: int              # the training and the validation crop, unless the next three say otherwise
+    crop_pct: float = 0.875      # validation: Resize(val crop / crop_pct), then CenterCrop, unless val_resize is set
+    train_sizes: TrainSizes | None = None  # training crop size per epoch (None: image_size)
+    val_crop: int | None = None  # validation crop (None: image_size)
+    val_resize: int | None = None  # validation's Resize of the short side (None: from crop_pct)
+    ra_reps: int = 1             # repeated augmentation: copies of each image an epoch (1: none)
     min_scale: float = 0.08      # training: RandomResizedCrop's smallest area fraction
     hflip: float = 0.5           # training: flip probability
     interpolation: str = "bilinear"
@@ -40,6 +45,26 @@ class DataSpec:
     label_column: str | None = None
     backend: str = "cpu"         # "cpu" or "gpu" (utils.data.backend.choose_backend); "none" for synthetic
     jpeg_decoder: str = "cuda"   # the gpu backend's: "cuda" or "hardware"
+
+    @property
+    def sizes(self):
+        """The training crop size of each epoch (a TrainSizes)."""
+        return self.train_sizes or TrainSizes.fixed(self.image_size)
+
+    @property
+    def val_geometry(self):
+        """(crop, resize): validation's Resize(resize) + CenterCrop(crop)."""
+        crop = self.val_crop or self.image_size
+        return crop, self.val_resize or val_resize(crop, self.crop_pct)
+
+    def describe(self, epochs):
+        """The start-up line's words for the crops: the training size(s) by epoch, validation's
+        resize and crop, repeated augmentation."""
+        crop, resize = self.val_geometry
+        words = [f"train crop {self.sizes.describe(epochs)}", f"val resize {resize} + center crop {crop}"]
+        if self.ra_reps > 1:
+            words.append(f"repeated augmentation x{self.ra_reps}")
+        return " | ".join(words)
 
 
 def source_kind(data):
@@ -85,10 +110,10 @@ def synthetic_data(spec, accelerator):
     """Data of random batches made once on the device (no input pipeline)."""
     classes = spec.num_classes or SYNTHETIC_CLASSES
     steps = spec.steps_per_epoch or SYNTHETIC_STEPS
-    make = lambda n, seed: SyntheticBatches(n, spec.batch_size, spec.image_size, classes, accelerator.device,
-                                            spec.channels_last, seed)
-    val = make(SYNTHETIC_VAL_STEPS, spec.seed + 1)
-    return Data(make(steps, spec.seed), val, classes,
+    make = lambda n, size, seed: SyntheticBatches(n, spec.batch_size, size, classes, accelerator.device,
+                                                  spec.channels_last, seed)
+    val = make(SYNTHETIC_VAL_STEPS, spec.val_geometry[0], spec.seed + 1)
+    return Data(make(steps, spec.sizes.min_res, spec.seed), val, classes,
                 SYNTHETIC_VAL_STEPS * spec.batch_size * accelerator.num_processes)
 
 
@@ -101,10 +126,10 @@ def folder_dataset_pair(spec, accelerator, kind, train):
     else:
         root = spec.data
         check_image_folder(root, ("train", "val") if train else ("val",))
-    val_set = image_folder(root, "val", val_transform(spec.image_size, spec.crop_pct, spec.interpolation))
+    val_set = image_folder(root, "val", val_transform(*spec.val_geometry, spec.interpolation))
     train_set = None
     if train:
-        train_set = image_folder(root, "train", train_transform(spec.image_size, spec.min_scale, spec.hflip,
+        train_set = image_folder(root, "train", train_transform(spec.sizes, spec.min_scale, spec.hflip,
                                                                 spec.interpolation))
     for dataset in (train_set, val_set):
         if dataset is not None and dataset.skipped and accelerator.is_main_process:

@@ -184,10 +184,18 @@ def add_data_args(parser, training=True):
         "made (default: auto)")
     add("-j", "--workers", type=non_negative_int, metavar="N", help="data loading worker processes per process "
         "(default: 4; 2 for digits; never more than the CPU cores available)")
-    add("--image-size", type=positive_int, metavar="PX", help="training crop and validation crop size (default: a "
-        "timm model's own input size, else 224; 32 for digits)")
-    add("--crop-pct", type=float, metavar="F", help="validation resizes to image-size/crop-pct, then center-crops "
-        "(default: a timm model's own, else 0.875)")
+    add("--image-size", type=positive_int, metavar="PX", help="training crop and validation crop size, where "
+        "--train-crop-size or --val-crop-size does not set one of them (default: a timm model's own input size, else "
+        "224; 32 for digits)")
+    if training:
+        add("--train-crop-size", type=positive_int, metavar="PX", help="training crop size (torchvision's flag; "
+            "default: --image-size); progressive resizing (--min-res ...) replaces it")
+    add("--val-resize-size", type=positive_int, metavar="PX", help="validation resizes the short side to PX, then "
+        "center-crops --val-crop-size (torchvision's flag; default: val crop size / --crop-pct); not with --crop-pct")
+    add("--val-crop-size", type=positive_int, metavar="PX", help="validation crop size (torchvision's flag; default: "
+        "--image-size)")
+    add("--crop-pct", type=float, metavar="F", help="validation resizes to val crop size / crop-pct, then "
+        "center-crops; timm's spelling of --val-resize-size (default: a timm model's own, else 0.875)")
     add("--interpolation", choices=("bilinear", "bicubic", "nearest"), help="resampling for crops and resizes "
         "(default: a timm model's own, else bilinear)")
     if not training:
@@ -198,6 +206,34 @@ def add_data_args(parser, training=True):
         "digits, since a mirrored digit is another glyph)")
     add("--steps-per-epoch", type=non_negative_int, default=0, metavar="N", help="end each training epoch after N "
         "steps; 0 means the whole train split (default: 0; synthetic data has 100 steps an epoch unless set)")
+    add("--ra-reps", type=positive_int, metavar="N", help="repeated augmentation: each epoch draws its images N times "
+        "over, with different crops, on different processes where there are N or more, and still counts one pass of "
+        "the train split's size (torchvision's --ra-sampler --ra-reps); 1 is off (default: 1; 3 with --ra-sampler)")
+    add_switch(group, "--ra-sampler", help="repeated augmentation with --ra-reps repeats (default: off)")
+    return group
+
+
+def add_progressive_args(parser):
+    """train.py's progressive resizing: FFCV's train-resolution schedule over epochs."""
+    group = parser.add_argument_group("progressive resizing (FFCV's schedule; replaces --train-crop-size)")
+    add = group.add_argument
+    add("--min-res", type=positive_int, metavar="PX", help="training crop size up to epoch --start-ramp (default: off)")
+    add("--max-res", type=positive_int, metavar="PX", help="training crop size from epoch --end-ramp on")
+    add("--start-ramp", type=non_negative_int, metavar="EPOCH", help="last epoch at --min-res; from it the size "
+        "rises linearly to --max-res at --end-ramp")
+    add("--end-ramp", type=non_negative_int, metavar="EPOCH", help="first epoch at --max-res")
+    add("--res-step", type=positive_int, default=32, metavar="PX", help="sizes on the ramp are rounded to a multiple "
+        "of PX (default: 32, FFCV's)")
+    return group
+
+
+def add_validation_args(parser):
+    """How validation scores: train.py's every epoch, eval.py's."""
+    group = parser.add_argument_group("validation")
+    group.add_argument("--tta", choices=("none", "flip"), default="none", help="test-time augmentation: flip also "
+                       "scores each image's mirror and averages the two logits; printed as a line of its own after "
+                       "the plain Prec@1 line, and in summary.csv; model_best still follows the plain Prec@1; "
+                       "eval.py's --predictions then come from the averaged logits (default: none)")
     return group
 
 
@@ -223,6 +259,9 @@ def add_model_args(parser):
     add_switch(group, "--pretrained", help="start from pretrained weights found in the local cache (never downloads)")
     add("--num-classes", type=positive_int, metavar="N", help="classifier outputs (default: the number of classes in "
         "the data)")
+    add_switch(group, "--blurpool", help="anti-aliased downsampling: a fixed 3x3 blur before each strided "
+               "convolution with 16 or more input channels (FFCV's recipe); torchvision ResNets only; the weights' "
+               "names do not change (default: off)")
 
 
 def add_precision_args(parser, training=True):
@@ -285,8 +324,9 @@ def add_training_args(parser):
         "from the checkpoint (default: 0)")
     add("--lr", type=positive_float, default=0.1, metavar="LR", help="learning rate for a global batch of 256; scaled "
         "by global batch/256 (default: 0.1)")
-    add("--lr-schedule", choices=("step", "cosine"), default="step", help="step: x0.1 at each epoch of --lr-steps "
-        "(Apex); cosine: to 0 at the last epoch (default: step)")
+    add("--lr-schedule", choices=("step", "cosine", "linear"), default="step", help="step: x0.1 at each epoch of "
+        "--lr-steps (Apex); cosine: to --min-lr at the end; linear: from the end of the warmup straight down to "
+        "--min-lr at the end (with the warmup, FFCV's triangular schedule) (default: step)")
     add("--lr-steps", type=positive_int, nargs="+", metavar="EPOCH", help="--lr-schedule step: the epochs "
         "(increasing) at which the LR is multiplied by 0.1 (default: 30 60 80; 6 9 for digits)")
     add("--warmup-epochs", type=non_negative_int, metavar="N", help="linear LR warmup epochs (default: 5, 1 for "
@@ -320,6 +360,10 @@ def add_ingredient_args(parser):
         "(default: none)")
     add("--reprob", type=probability, default=0.0, metavar="P", help="random erasing probability per image (timm "
         "RandomErasing, on the device) (default: 0)")
+    add_switch(group, "--bce-loss", help="binary cross-entropy on the (mixed, smoothed) one-hot targets instead of "
+               "softmax cross-entropy, as timm's ResNet-strikes-back recipes (default: off)")
+    add("--bce-target-thresh", type=probability, metavar="F", help="with --bce-loss: targets above F become 1, the "
+        "rest 0 (timm's; default: off, soft targets)")
     add("--drop-path", type=probability, default=0.0, metavar="F", help="drop-path / stochastic-depth rate: timm's "
         "drop_path_rate, torchvision's stochastic_depth_prob; refused for models without it (default: 0, the model's "
         "own default)")
@@ -392,7 +436,7 @@ def build_training_parser(description, prog=None):
 def build_parser(description, prog=None):
     """train.py's parser (less its --log-with): the training flags and the optional --prof."""
     parser = build_training_parser(description, prog)
-    for add in (add_ingredient_args, add_checkpoint_args, add_prof_args):
+    for add in (add_progressive_args, add_validation_args, add_ingredient_args, add_checkpoint_args, add_prof_args):
         add(parser)
     return parser
 
@@ -411,6 +455,7 @@ def evaluation_dests():
     for add in (add_data_args, add_datasets_args, add_precision_args, add_run_args):
         add(parser, training=False)
     add_model_args(parser)
+    add_validation_args(parser)
     return set(flag_actions(parser)) | {"evaluate", "resume", "config"}
 
 

@@ -33,11 +33,24 @@ NOT_RESUMED = ("resume", "config", "output_dir", "start_epoch", "evaluate", "ove
 # Options only their switch reads. With the switch off, a value a checkpoint stored for a run that
 # had it on, or a recipe's where --model-ema False / --compile False is typed, falls back to its
 # default, rather than being refused as an option without its switch that nobody typed.
-SWITCH_OPTIONS = {"compile": ("compile_mode",), "model_ema": ("model_ema_decay", "model_ema_best")}
+SWITCH_OPTIONS = {"compile": ("compile_mode",), "model_ema": ("model_ema_decay", "model_ema_best"),
+                  "bce_loss": ("bce_target_thresh",)}
 # The input pipeline's flags (decode, crop, workers). Synthetic tensors are made on the device and
 # pass through none of it; the batch-level ingredients (--mixup, --reprob) still apply to them.
 PIPELINE_FLAGS = {"min_scale": "--min-scale", "hflip": "--hflip", "crop_pct": "--crop-pct",
-                  "interpolation": "--interpolation", "workers": "-j/--workers", "aa": "--aa"}
+                  "val_resize_size": "--val-resize-size", "interpolation": "--interpolation", "workers": "-j/--workers",
+                  "aa": "--aa", "ra_reps": "--ra-reps", "ra_sampler": "--ra-sampler", "min_res": "--min-res"}
+# FFCV's progressive resizing: these four come together, and replace --train-crop-size.
+PROGRESSIVE = ("min_res", "max_res", "start_ramp", "end_ramp")
+# Two spellings of one setting. Given in the same layer (typed, or one --config file) they are
+# refused; from different layers (a checkpoint's, a recipe's, typed) the later one wins and the
+# other goes back to its default (None), so a typed --crop-pct replaces a recipe's --val-resize-size.
+ALTERNATIVES = ((("crop_pct",), ("val_resize_size",), "--crop-pct and --val-resize-size both set validation's resize "
+                 "(resize = val crop / crop pct); give one"),
+                (("train_crop_size",), PROGRESSIVE, "--train-crop-size and progressive resizing (--min-res, --max-res, "
+                 "--start-ramp, --end-ramp) both set the training crop size; give one"))
+# --image-size sets both crops; each of these replaces it for its side, from the same or a later layer.
+CROP_SIDES = ("train_crop_size", "val_crop_size")
 
 
 def parse_args(parser, argv=None):
@@ -51,6 +64,7 @@ def parse_args(parser, argv=None):
     warn_endless_warmup(args)
     if not 0.0 < args.crop_pct <= 1.0:
         raise UsageError(f"--crop-pct must be in (0, 1], got {args.crop_pct}")
+    check_geometry(args)
     if not 0.0 < args.min_scale <= 1.0:
         raise UsageError(f"--min-scale must be in (0, 1], got {args.min_scale}")
     if not 0.0 <= args.hflip <= 1.0:
@@ -86,9 +100,10 @@ def parse_flags(parser, argv=None):
     argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
     first = parser.parse_args(argv)
     actions = flag_actions(parser)
-    if "config" not in actions:
-        return first
     typed = typed_dests(parser, argv)
+    if "config" not in actions:  # eval.py: the checkpoint's settings are the parser's defaults, below typed
+        settle_alternatives(first, [typed], actions)
+        return first
     resume, output_dir, lines = resolve_resume(first.resume, first.output_dir, "output_dir" in typed)
     stored, loaded = resume_flags(resume, actions)
     lines += loaded
@@ -104,6 +119,7 @@ def parse_flags(parser, argv=None):
     parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     args.resume, args.output_dir = resume, output_dir
+    settle_alternatives(args, [set(configured), typed], actions)
     warnings = reject_pipeline_flags(args, typed, configured, defaults)
     given = typed | set(configured)  # a --config's flags override the checkpoint's as typed ones do
     if backend and "compile" not in given:
@@ -133,6 +149,30 @@ def parse_flags(parser, argv=None):
         for line in warnings:
             print(line, file=sys.stderr, flush=True)
     return args
+
+
+def settle_alternatives(args, layers, actions):
+    """Apply ALTERNATIVES and CROP_SIDES: layers are the sets of dests each layer above the
+    defaults and a checkpoint's flags gave, lowest first (a --config's, then the typed ones)."""
+    for one, other, message in ALTERNATIVES:
+        for given in reversed(layers):
+            first, second = set(one) & given, set(other) & given
+            if first and second:
+                raise UsageError(message)
+            if first or second:
+                for dest in (other if first else one):
+                    if dest in actions:
+                        setattr(args, dest, None)
+                break
+    sides = [dest for dest in CROP_SIDES if dest in actions]
+    for given in layers:
+        if "image_size" in given and sides and all(dest in given for dest in sides):
+            raise UsageError(f"--image-size sets nothing that {' and '.join(flag_name(actions[d]) for d in sides)} "
+                             "do not replace; drop it")
+    latest = lambda dest: max((k for k, given in enumerate(layers) if dest in given), default=-1)
+    for dest in sides:
+        if latest("image_size") > latest(dest):  # a later --image-size replaces an older layer's crop size
+            setattr(args, dest, None)
 
 
 def _shown(value):
@@ -247,6 +287,33 @@ def apply_source_defaults(args, model_config=None):
     return args
 
 
+def check_geometry(args):
+    """The crop sizes, the progressive schedule and the repeated-augmentation sampler, together."""
+    if args.val_resize_size is not None and args.val_resize_size < (args.val_crop_size or args.image_size):
+        raise UsageError(f"--val-resize-size {args.val_resize_size} is below the validation crop "
+                         f"{args.val_crop_size or args.image_size}: the crop must fit inside the resized image")
+    given = [dest for dest in PROGRESSIVE if getattr(args, dest) is not None]
+    if given and len(given) < len(PROGRESSIVE):
+        missing = ", ".join("--" + dest.replace("_", "-") for dest in PROGRESSIVE if dest not in given)
+        raise UsageError(f"progressive resizing needs --min-res, --max-res, --start-ramp and --end-ramp together; "
+                         f"add {missing}")
+    if given:
+        if args.min_res > args.max_res:
+            raise UsageError(f"--min-res {args.min_res} is above --max-res {args.max_res}")
+        if args.start_ramp >= args.end_ramp:
+            raise UsageError(f"--start-ramp {args.start_ramp} must come before --end-ramp {args.end_ramp}")
+        if not args.evaluate and args.start_ramp >= args.epochs - 1:
+            raise UsageError(f"--start-ramp {args.start_ramp}: with --epochs {args.epochs} (epochs 0-"
+                             f"{args.epochs - 1}) no epoch trains above --min-res; start the ramp earlier")
+    elif args.res_step != 32:
+        raise UsageError("--res-step rounds the sizes of progressive resizing: it needs --min-res, --max-res, "
+                         "--start-ramp and --end-ramp")
+    if args.ra_reps is None:
+        args.ra_reps = 3 if args.ra_sampler else 1  # torchvision's default repeats
+    if args.ra_sampler and args.ra_reps < 2:
+        raise UsageError("--ra-sampler with --ra-reps 1 repeats nothing; give --ra-reps 2 or more, or drop it")
+
+
 def check_lr_steps(args):
     """--lr-steps: increasing epochs, and only for the step schedule (no flag parsed and ignored)."""
     steps = args.lr_steps
@@ -280,10 +347,12 @@ def warn_endless_warmup(args):
 
 def check_ingredient_flags(args):
     """Refuse flags that would be parsed and do nothing: the EMA's options without --model-ema,
-    --mixup-switch-prob without both alphas."""
+    --mixup-switch-prob without both alphas, --bce-target-thresh without --bce-loss."""
     if not args.model_ema and (args.model_ema_best or args.model_ema_decay != 0.9998):
         raise UsageError("--model-ema-decay and --model-ema-best need --model-ema")
     if args.mixup_switch_prob != 0.5 and not (args.mixup and args.cutmix):
         raise UsageError("--mixup-switch-prob chooses between mixup and cutmix: it needs --mixup and --cutmix > 0")
+    if args.bce_target_thresh is not None and not args.bce_loss:
+        raise UsageError("--bce-target-thresh thresholds the targets of the BCE loss: it needs --bce-loss")
     if args.model_ema and not 0.0 < args.model_ema_decay < 1.0:
         raise UsageError(f"--model-ema-decay must be in (0, 1), got {args.model_ema_decay}")

@@ -6,6 +6,7 @@ the specs down. One section per concern.
 from utils.compiled import resolve_compile
 from utils.data.backend import choose_backend
 from utils.data.batches import IMAGENET_MEAN, IMAGENET_STD
+from utils.data.sizes import TrainSizes
 from utils.data.sources import DataSpec, source_kind
 from utils.device import DeviceSettings, PrecisionFlags, settle_channels_last
 from utils.engine import Loop, Schedule
@@ -48,8 +49,9 @@ def training_loop(args, criterion, augment=None):
 def training_specs(args, *, channels_last, compile, only_sgd=False):
     """(ModelSpec, OptimizerSpec, ResumeSpec) for utils.training_state.build_or_resume; channels_last
     and compile as settled for this device (utils.device.settle_channels_last, utils.compiled)."""
-    model = ModelSpec(args.arch, args.pretrained, args.drop_path, args.image_size, channels_last, args.sync_bn,
-                      compile, args.compile_mode, args.seed)
+    sizes = (*train_sizes(args).distinct(args.epochs or 1), args.val_crop_size or args.image_size)
+    model = ModelSpec(args.arch, args.pretrained, args.drop_path, sizes, channels_last, args.sync_bn,
+                      compile, args.compile_mode, args.seed, args.blurpool)
     optimizer = OptimizerSpec(args.opt, args.lr, args.momentum, args.weight_decay, args.no_wd_norm_bias,
                               args.clip_grad, args.model_ema, args.model_ema_decay, only_sgd)
     resume = ResumeSpec(args.resume or "", args.epochs, not args.evaluate, args.data, args.batch_size,
@@ -77,9 +79,18 @@ def data_spec(args, *, backend, jpeg_decoder, channels_last):
     utils.data.backend.choose_backend settled them, channels_last as settled for this device."""
     return DataSpec(
         data=args.data, batch_size=args.batch_size, workers=args.workers, seed=args.seed,
-        image_size=args.image_size, crop_pct=args.crop_pct, min_scale=args.min_scale, hflip=args.hflip,
+        image_size=args.image_size, crop_pct=args.crop_pct, train_sizes=train_sizes(args), val_crop=args.val_crop_size,
+        val_resize=args.val_resize_size, ra_reps=args.ra_reps, min_scale=args.min_scale, hflip=args.hflip,
         interpolation=args.interpolation, aa=args.aa, mean=tuple(args.mean or IMAGENET_MEAN),
         std=tuple(args.std or IMAGENET_STD), channels_last=bool(channels_last), num_classes=args.num_classes,
         steps_per_epoch=args.steps_per_epoch, train_split=args.train_split, val_split=args.val_split,
         image_column=args.image_column, label_column=args.label_column, backend=backend,
         jpeg_decoder=jpeg_decoder)
+
+
+def train_sizes(args):
+    """utils.data.sizes.TrainSizes: FFCV's progressive schedule (--min-res ...), else the one size
+    --train-crop-size or --image-size gives."""
+    if args.min_res is not None:
+        return TrainSizes(args.min_res, args.max_res, args.start_ramp, args.end_ramp, args.res_step)
+    return TrainSizes.fixed(args.train_crop_size or args.image_size)

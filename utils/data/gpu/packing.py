@@ -13,10 +13,11 @@ from utils.run.errors import UnreadableInput
 
 
 class ByteSamples(torch.utils.data.Dataset):
-    """(where, label) samples -> (payload, label, box, index, height, width, raw) for pack_bytes.
+    """(where, label) samples -> (payload, label, box, index, height, width, raw, size) for pack_bytes.
 
-    key is (index, epoch) as the train sampler yields it, or a bare index (epoch 0, validation).
-    boxes is utils.data.crops.TrainBoxes or CenterBoxes; read(where) -> bytes (default: a file path;
+    key is (index, epoch) or (index, epoch, repeat) as the train samplers yield it, or a bare index
+    (epoch 0, validation). boxes is utils.data.crops.TrainBoxes or CenterBoxes (the box, and the
+    epoch's output size); read(where) -> bytes (default: a file path;
     a Hugging Face source passes its own). payload is the file's bytes when the header routes it
     to nvJPEG (raw False), else PIL's RGB pixels flattened (raw True).
     """
@@ -31,7 +32,7 @@ class ByteSamples(torch.utils.data.Dataset):
         return str(self.samples[index][0])
 
     def __getitem__(self, key):
-        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        index, epoch, repeat = (*key, 0)[:3] if isinstance(key, tuple) else (key, 0, 0)
         where, label = self.samples[index]
         try:
             data = self.read(where)
@@ -43,7 +44,8 @@ class ByteSamples(torch.utils.data.Dataset):
         else:
             pixels = pil_rgb(data, where)
             (height, width), payload, raw = pixels.shape[:2], pixels.reshape(-1), True
-        return payload, label, self.boxes(width, height, epoch, index), index, height, width, raw
+        return (payload, label, self.boxes(width, height, epoch, index, repeat), index, height, width, raw,
+                self.boxes.size(epoch))
 
 
 class Packed(NamedTuple):
@@ -55,6 +57,7 @@ class Packed(NamedTuple):
     boxes: torch.Tensor    # float64 (n, 5): top, left, height, width, flip (source pixels)
     labels: torch.Tensor   # int64 (n,)
     indices: torch.Tensor  # int64 (n,): dataset indices, to name a file in an error
+    size: int              # the side the boxes are resized to (one epoch's batch: one size)
 
     def __reduce__(self):
         # Between processes only the buffer goes through shared memory; the small fields travel
@@ -62,11 +65,11 @@ class Packed(NamedTuple):
         # connection to the worker to fetch its file descriptor: receiving a batch of 64 took
         # 6.2 ms with seven of them and 3.4 ms with one (2-core box; on the H200 the change was
         # within the noise of train.py's throughput).
-        return _unpickle_packed, (self.buffer, *(field.numpy() for field in self[1:]))
+        return _unpickle_packed, (self.buffer, *(field.numpy() for field in self[1:-1]), self.size)
 
 
 def _unpickle_packed(buffer, *small):
-    return Packed(buffer, *(torch.from_numpy(field) for field in small))
+    return Packed(buffer, *(torch.from_numpy(field) for field in small[:-1]), small[-1])
 
 
 def _empty_buffer(size):
@@ -81,6 +84,9 @@ def _empty_buffer(size):
 def pack_bytes(batch):
     """collate_fn for ByteSamples: a list of samples -> Packed."""
     payloads = [sample[0] for sample in batch]
+    sizes = {sample[7] for sample in batch}
+    if len(sizes) != 1:  # a sampler yields one epoch's keys a batch, and the size is the epoch's
+        raise ValueError(f"a batch of samples for output sizes {sorted(sizes)}; one batch has one size")
     offsets = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum([len(payload) for payload in payloads], out=offsets[1:])
     buffer = _empty_buffer(int(offsets[-1]))
@@ -91,7 +97,7 @@ def pack_bytes(batch):
                   torch.tensor([sample[6] for sample in batch], dtype=torch.bool),
                   torch.tensor([sample[2] for sample in batch], dtype=torch.float64),
                   torch.tensor([sample[1] for sample in batch], dtype=torch.int64),
-                  torch.tensor([sample[3] for sample in batch], dtype=torch.int64))
+                  torch.tensor([sample[3] for sample in batch], dtype=torch.int64), sizes.pop())
 
 
 def unpack(buffer, offsets):

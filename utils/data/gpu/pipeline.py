@@ -19,7 +19,8 @@ from utils.run.preemption import lost_workers_named
 
 
 class GpuBatchDecoder:
-    """Packed batch -> (images float (n, 3, S, S) normalised, channels_last if asked; targets int64).
+    """Packed batch -> (images float (n, 3, S, S) normalised, channels_last if asked; targets int64),
+    S the batch's own size (Packed.size: the epoch's, under progressive resizing).
 
     device cuda: nvJPEG (torchvision.io.decode_jpeg on a list) for the JPEG payloads, fp16
     resampling matmuls; device cpu: the same with torchvision's CPU decoder and fp32 (the tests).
@@ -29,11 +30,11 @@ class GpuBatchDecoder:
     then centre crop; give it utils.data.crops.CenterBoxes boxes).
     """
 
-    def __init__(self, device, image_size, mean, std, channels_last=False, cpu_fallback=pil_rgb,
+    def __init__(self, device, mean, std, channels_last=False, cpu_fallback=pil_rgb,
                  name_of=str, interpolation="bilinear", train=True, jpeg_decoder="cuda"):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.size, self.train, self.interpolation = image_size, train, interpolation
+        self.train, self.interpolation = train, interpolation
         self.cpu_fallback, self.name_of = cpu_fallback, name_of
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         # fp16 holds 0..255 exactly and halves the canvas traffic; the CPU has no fast fp16 matmul.
@@ -119,7 +120,7 @@ class GpuBatchDecoder:
     def _finish(self, packed, pictures):
         kernels = _canvas_kernel() if self.cuda else None
         if kernels is None:
-            pixels = resample_batch(pictures, packed.boxes, packed.shapes, self.size, self.train,
+            pixels = resample_batch(pictures, packed.boxes, packed.shapes, packed.size, self.train,
                                     self.interpolation, self.dtype, self.canvas_budget)
             images = pixels.float().contiguous(memory_format=self.memory_format)
             images.sub_(self.mean).div_(self.std)
@@ -127,9 +128,9 @@ class GpuBatchDecoder:
             # One pass per chunk rounds, clamps, normalises and writes each image at its place in
             # the batch and layout; the torch ops above take seven passes over the batch (a cat,
             # the reordering, round, clamp, the fp32 channels_last copy, sub, div).
-            images = torch.empty(len(pictures), 3, self.size, self.size, device=self.device,
+            images = torch.empty(len(pictures), 3, packed.size, packed.size, device=self.device,
                                  memory_format=self.memory_format)
-            for group, chunk in resample_chunks(pictures, packed.boxes, packed.shapes, self.size, self.train,
+            for group, chunk in resample_chunks(pictures, packed.boxes, packed.shapes, packed.size, self.train,
                                                 self.interpolation, self.dtype, self.canvas_budget):
                 kernels.normalise_into(images, chunk, to_device(torch.tensor(group), self.device), self.mean,
                                        self.std)
