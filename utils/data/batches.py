@@ -275,8 +275,8 @@ def sharded_data(train_set, val_set, num_classes, spec, accelerator):
     if spec.backend == "gpu":
         if aa not in (None, "", "none"):
             raise UsageError(f"--aa {aa}: the gpu data backend decodes and crops on the GPU and has no PIL "
-                             "stage for augmentation policies (--data-backend auto picks it for ImageFolder "
-                             "data on CUDA); use --data-backend cpu")
+                             "stage for augmentation policies; use --data-backend cpu (or auto, which picks it "
+                             "for --aa)")
         train, val = gpu_backend(train_set, val_set, sampler, val_indices, spec, device)
     else:
         mean, std = spec.mean, spec.std

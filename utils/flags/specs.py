@@ -65,7 +65,7 @@ def device_settings(args, device_type):
     channels_last, layout = settle_channels_last(args.channels_last, args.arch, device_type)
     compile_backend, compile_mode, note = resolve_compile(args.compile, args.compile_mode)
     backend = choose_backend(source_kind(args.data), args.data_backend, args.jpeg_decoder, device_type,
-                             args.deterministic)
+                             args.deterministic, pil_policy=args.aa not in (None, "", "none"))
     line = f"{backend.line} | {layout}" + (f" | torch.compile {compile_backend}" if compile_backend else "")
     return DeviceSettings(channels_last, backend.backend, backend.jpeg_decoder, compile_backend, compile_mode,
                           line, note)
