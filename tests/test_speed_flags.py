@@ -19,7 +19,7 @@ from utils.run.errors import UsageError
 
 def resolved(device_type, **flags):
     args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False,
-                              compile_mode="default", jpeg_decoder="auto", deterministic=False)
+                              compile_mode="default", jpeg_decoder="auto", deterministic=False, aa="none")
     vars(args).update(flags)
     return device_settings(args, device_type)
 
