@@ -127,6 +127,18 @@ def run_script(script, *args, env=None, cwd=None, timeout=TIMEOUT):
     return run_command([sys.executable, os.path.join(ROOT, script), *args], env=env, cwd=cwd, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def evaluate(cache_dir):
+    """eval.py's main() in this process (no interpreter start-up per call), on one thread."""
+    import importlib
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    script = importlib.import_module("eval")
+    yield lambda *argv: script.main([str(a) for a in argv])
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def accelerator():
     """One Accelerator for the whole session: Accelerate allows one state per process."""

@@ -45,15 +45,6 @@ def fp32_result(trained, evaluate):
     return evaluate("--resume", trained[0] / "checkpoint.pth.tar", "--opt-level", "O0", "-j", "0", "-b", "64")
 
 
-@pytest.fixture(scope="module")
-def evaluate(cache_dir):
-    """eval.py's main() in this process (no interpreter start-up per call), on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    script = importlib.import_module("eval")
-    yield lambda *argv: script.main([str(a) for a in argv])
-    torch.set_num_threads(threads)
-
 
 def test_no_arguments_but_the_checkpoint_repeats_train_top1(trained, tmp_path):
     out, train_stdout = trained

@@ -2,7 +2,6 @@
 in train.py's epochs (a line after the Apex one, summary.csv columns) and eval.py (inherited from
 the checkpoint, the results file, --predictions)."""
 import csv
-import importlib
 import json
 import re
 import types
@@ -214,15 +213,6 @@ def test_train_prints_the_tta_line_after_the_plain_one_and_records_it(tta_run):
     assert torch.load(out / "model_best.pth.tar", weights_only=False)["best_prec1"] == pytest.approx(
         float(rows[0]["top1"]))
 
-
-@pytest.fixture(scope="module")
-def evaluate(cache_dir):
-    """eval.py's main() in this process, on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    script = importlib.import_module("eval")
-    yield lambda *argv: script.main([str(a) for a in argv])
-    torch.set_num_threads(threads)
 
 
 def test_eval_inherits_tta_and_writes_its_figures(tta_run, evaluate, capsys, tmp_path):
