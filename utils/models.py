@@ -185,7 +185,8 @@ def build_model(arch, num_classes, pretrained=False, drop_path=0.0):
 
 # --- --blurpool: FFCV's anti-aliased downsampling ---------------------------------------------
 
-# torchvision's ResNet class builds these; their strided convolutions are where FFCV's recipe blurs.
+# torchvision's ResNet class builds these; their strided convolutions are where FFCV's recipe blurs,
+# and their stem (conv1) is the one --stem-channels knows.
 BLURPOOL_ARCHS = ("resnet", "resnext", "wide_resnet")
 BLURPOOL_MIN_CHANNELS = 16  # FFCV's bound: the 3-channel stem sees raw pixels and stays plain
 
@@ -195,6 +196,17 @@ def _binomial_filter(channels, device=None, dtype=None):
     row = torch.tensor([1.0, 2.0, 1.0], device=device)
     blur = torch.outer(row, row) / 16
     return blur.expand(channels, 1, 3, 3).to(dtype or torch.float32).clone()
+
+
+def _same_conv_as(cls, conv):
+    """A cls (an nn.Conv2d subclass) with conv's settings, sharing conv's parameters (pretrained or
+    loaded weights are kept). Built on the meta device so no weight is initialised: the RNG draws
+    of the model build stay those of the plain model."""
+    with torch.device("meta"):
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                  conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)
+    new.weight, new.bias = conv.weight, conv.bias
+    return new.train(conv.training)
 
 
 class BlurPoolConv2d(nn.Conv2d):
@@ -213,26 +225,27 @@ class BlurPoolConv2d(nn.Conv2d):
 
     @classmethod
     def from_conv(cls, conv):
-        """The same convolution, blurred, sharing conv's parameters (pretrained or loaded weights
-        are kept). Built on the meta device so no weight is initialised: the RNG draws of the
-        model build stay those of the plain model."""
-        with torch.device("meta"):
-            new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                      conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)
-        new.weight, new.bias = conv.weight, conv.bias
+        """The same convolution, blurred, sharing conv's parameters (_same_conv_as)."""
+        new = _same_conv_as(cls, conv)
         new.blur_filter = _binomial_filter(conv.in_channels, conv.weight.device, conv.weight.dtype)
-        return new.train(conv.training)
+        return new
 
     def forward(self, x):
         blurred = nn.functional.conv2d(x, self.blur_filter.to(x.dtype), padding=1, groups=self.in_channels)
         return super().forward(blurred)
 
 
+def check_torchvision_resnet(arch, flag, drop=None):
+    """Refuse flag for any model but torchvision's ResNets (BLURPOOL_ARCHS); drop: what the message
+    says to drop (default: flag)."""
+    if arch.startswith("timm/") or not arch.startswith(BLURPOOL_ARCHS):
+        raise UsageError(f"{flag}: -a {arch} is not a torchvision ResNet; {flag} supports torchvision's "
+                         f"resnet*, resnext* and wide_resnet* models only: drop {drop or flag} or pick one of those")
+
+
 def check_blurpool(arch):
     """Refuse --blurpool for any model but torchvision's ResNets, the models FFCV's recipe was made for."""
-    if arch.startswith("timm/") or not arch.startswith(BLURPOOL_ARCHS):
-        raise UsageError(f"--blurpool: -a {arch} is not a torchvision ResNet; --blurpool supports torchvision's "
-                         "resnet*, resnext* and wide_resnet* models only: drop --blurpool or pick one of those")
+    check_torchvision_resnet(arch, "--blurpool")
 
 
 def apply_blurpool(model, arch):
@@ -245,6 +258,59 @@ def apply_blurpool(model, arch):
             if (type(child) is nn.Conv2d and max(child.stride) > 1
                     and child.in_channels >= BLURPOOL_MIN_CHANNELS):
                 setattr(parent, name, BlurPoolConv2d.from_conv(child))
+    return model
+
+
+# --- --stem-channels 4: MLPerf's ResNet-50 input, padded to 4 channels ---------------------------
+
+def pad_channels(x, channels):
+    """x (N, C, H, W) with zero channels appended up to channels, in x's memory format: a
+    channels_last input must stay channels_last, or the stem would get the NCHW kernels the
+    padding is there to avoid. Differentiable (the pad's backward slices the gradient back)."""
+    padded = nn.functional.pad(x, (0, 0, 0, 0, 0, channels - x.shape[1]))
+    if x.is_contiguous(memory_format=torch.channels_last):  # ATen's pad keeps it already; not promised
+        padded = padded.contiguous(memory_format=torch.channels_last)
+    return padded
+
+
+class PaddedStemConv2d(nn.Conv2d):
+    """The stem convolution run with padded_channels input channels: the input gets zero channels
+    and the weight zero input-channel slices, on the fly. MLPerf's ResNet-50 pads its input to 4
+    channels because cuDNN's fast NHWC half-precision kernels want a channel count divisible by 4,
+    and 3 is not. The parameters stay the plain 3-channel conv's, so state_dicts load into either
+    model and the gradient reaches the 3-channel weight; zero channels add nothing to the sums, so
+    the output is the plain conv's."""
+
+    padded_channels = 4
+
+    @classmethod
+    def from_conv(cls, conv, channels=4):
+        new = _same_conv_as(cls, conv)
+        new.padded_channels = channels
+        return new
+
+    def forward(self, x):
+        if x.shape[1] == self.in_channels:  # a pipeline that pads its own input needs no second pad
+            x = pad_channels(x, self.padded_channels)
+        return self._conv_forward(x, pad_channels(self.weight, self.padded_channels), self.bias)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, padded_channels={self.padded_channels}"
+
+
+STEM_CHANNELS = (3, 4)
+
+
+def apply_stem_channels(model, arch, channels):
+    """--stem-channels on a built model, in place: with 4, the stem convolution (torchvision ResNets'
+    conv1) becomes a PaddedStemConv2d with the same weights; 3 leaves any model as it is. Returns model."""
+    if channels == 3:
+        return model
+    if channels not in STEM_CHANNELS:
+        raise UsageError(f"--stem-channels {channels}: choose one of {', '.join(map(str, STEM_CHANNELS))}")
+    check_torchvision_resnet(arch, f"--stem-channels {channels}", drop="--stem-channels")
+    if type(model.conv1) is nn.Conv2d:  # applied twice, it still pads once
+        model.conv1 = PaddedStemConv2d.from_conv(model.conv1, channels)
     return model
 
 

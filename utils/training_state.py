@@ -8,7 +8,7 @@ import torch
 from utils.compiled import compile_model
 from utils.device import want_sync_bn, warn
 from utils.ingredients import build_ema, build_optimizer
-from utils.models import apply_blurpool, build_model, check_input_size
+from utils.models import apply_blurpool, apply_stem_channels, build_model, check_input_size
 from utils.precision import Precision
 from utils.run.checkpoint import load_checkpoint, load_model_weights
 from utils.run.errors import UsageError, first_line
@@ -18,7 +18,7 @@ from utils.run.errors import UsageError, first_line
 class ModelSpec:
     """The model a run builds: -a, --pretrained, --drop-path, the input sizes it must accept, the
     memory format, --sync_bn, the resolved torch.compile backend (False: none) and mode, --seed,
-    --blurpool."""
+    --blurpool, --stem-channels (4: the stem convolution padded to 4 input channels)."""
     arch: str
     pretrained: bool = False
     drop_path: float = 0.0
@@ -29,6 +29,7 @@ class ModelSpec:
     compile_mode: str = "default"
     seed: int = 0
     blurpool: bool = False
+    stem_channels: int = 3
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def build_training_state(model_spec, optimizer_spec, accelerator, plan, num_clas
     model = build_model(spec.arch, num_classes, pretrained, spec.drop_path)
     if spec.blurpool:  # before the weights load, the cast and DDP: its blur filters follow them all
         apply_blurpool(model, spec.arch)
+    apply_stem_channels(model, spec.arch, spec.stem_channels)  # the plain weights: loads below as they are
     for size in dict.fromkeys(spec.input_sizes):
         check_input_size(model, spec.arch, size)
     if checkpoint is not None:

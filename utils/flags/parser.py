@@ -262,6 +262,9 @@ def add_model_args(parser):
     add_switch(group, "--blurpool", help="anti-aliased downsampling: a fixed 3x3 blur before each strided "
                "convolution with 16 or more input channels (FFCV's recipe); torchvision ResNets only; the weights' "
                "names do not change (default: off)")
+    add("--stem-channels", type=int, choices=(3, 4), default=3, help="4 pads the input with a zero channel for the "
+        "stem convolution, as MLPerf's ResNet-50 does for cuDNN's NHWC kernels; the checkpoint keeps 3 input channels; "
+        "torchvision ResNets only (default: 3)")
 
 
 def add_precision_args(parser, training=True):

@@ -51,7 +51,7 @@ def training_specs(args, *, channels_last, compile, only_sgd=False):
     and compile as settled for this device (utils.device.settle_channels_last, utils.compiled)."""
     sizes = (*train_sizes(args).distinct(args.epochs or 1), args.val_crop_size or args.image_size)
     model = ModelSpec(args.arch, args.pretrained, args.drop_path, sizes, channels_last, args.sync_bn,
-                      compile, args.compile_mode, args.seed, args.blurpool)
+                      compile, args.compile_mode, args.seed, args.blurpool, args.stem_channels)
     optimizer = OptimizerSpec(args.opt, args.lr, args.momentum, args.weight_decay, args.no_wd_norm_bias,
                               args.clip_grad, args.model_ema, args.model_ema_decay, only_sgd)
     resume = ResumeSpec(args.resume or "", args.epochs, not args.evaluate, args.data, args.batch_size,
