@@ -243,8 +243,8 @@ def planned_runs(args, cuda):
     for workers in args.workers:
         for backend in args.backends:
             decoders = args.decoders if backend == "gpu" else [""]
-            for decoder, compile_, size in [(d, c, s) for d in decoders for c in args.compile
-                                            for s in args.train_crop_sizes or [None]]:
+            for decoder, compile_, size, variant in [(d, c, s, v) for d in decoders for c in args.compile
+                                                     for s in args.train_crop_sizes or [None] for v in args.variants]:
                 if backend == "synthetic" and workers != args.workers[0]:
                     continue  # no workers to vary
                 source = ["synthetic"] if backend == "synthetic" else [args.data, "-j", str(workers),
@@ -252,13 +252,15 @@ def planned_runs(args, cuda):
                 crop = ["--train-crop-size", str(size)] if size else []
                 for code in [ROOT, *args.other_code]:
                     name = ("train.py" if code == ROOT else f"train.py ({os.path.basename(code)})") + \
-                        (f" {size} px" if size else "")
+                        (f" {size} px" if size else "") + (f" [{variant}]" if variant else "")
                     out = os.path.join(args.runs_dir, f"bench-{backend}-{decoder}-{workers}-{compile_}"
                                        + (f"-{size}" if size else "")
+                                       + (f"-v{args.variants.index(variant)}" if variant else "")
                                        + ("" if code == ROOT else f"-{os.path.basename(code)}"))
                     runs.append(Run("train", name, backend, decoder, 0 if backend == "synthetic" else workers,
                                     compile_, [sys.executable, os.path.join(code, "train.py"),
-                                               *source, *common, *crop, *compile_flags(compile_),
+                                               *source, *common, *crop, *shlex.split(variant),
+                                               *compile_flags(compile_),
                                                *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]))
         if args.timm_train:
             runs.append(Run("timm", "timm train.py --amp --channels-last", "timm", "", workers, "False", [
@@ -292,7 +294,8 @@ def setup(args):
     """The flags every run of an invocation shares, as the CSV's setup column records them."""
     return shlex.join([args.data, "-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level,
                        "--steps-per-epoch", str(args.steps_per_epoch), "--epochs", str(args.epochs),
-                       *(["--train-args", args.train_args] if args.train_args else [])])
+                       *(["--train-args", args.train_args] if args.train_args else []),
+                       *(["--variants", *args.variants] if args.variants != [""] else [])])
 
 
 def earlier_rows(path, runs, setup_, device):
@@ -347,13 +350,16 @@ def main():
     parser.add_argument("-b", "--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--backends", nargs="+", default=["cpu", "gpu"], choices=("cpu", "gpu", "synthetic"))
-    parser.add_argument("--decoders", nargs="+", default=["auto"], choices=("auto", "cuda", "hardware"),
+    parser.add_argument("--decoders", nargs="+", default=["auto"], choices=("auto", "cuda", "hardware", "split"),
                         help="--jpeg-decoder values for the gpu backend (default: auto)")
     parser.add_argument("--compile", nargs="+", default=["False", "True"],
                         choices=("False", "True", "reduce-overhead", "max-autotune"))
     parser.add_argument("--opt-level", default="O2")
     parser.add_argument("--train-args", default="", help="more train.py flags, one string (e.g. "
                         "'--keep-batchnorm-fp32 True' with --opt-level O3)")
+    parser.add_argument("--variants", nargs="+", default=[""], metavar="FLAGS",
+                        help="run each train.py configuration once per string of extra train.py flags (e.g. '' "
+                             "'--stem-channels 4'; '' is none), rows named 'train.py [FLAGS]' (default: one, none)")
     parser.add_argument("--train-crop-sizes", type=int, nargs="+", default=None, metavar="PX",
                         help="also run each train.py configuration at these --train-crop-size values (rows named "
                              "'train.py N px'; validation and the plain reference stay at 224) (default: off)")

@@ -182,3 +182,25 @@ def test_relative_paths_are_the_callers_and_failed_runs_fail_the_tool(tmp_path):
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert str(tmp_path / "fake") in result.stdout and "1 run(s) failed" in result.stderr
     assert (tmp_path / "b.csv").exists()  # --out too is the caller's
+
+
+def test_variants_run_every_train_configuration_once_per_flag_string(tmp_path):
+    """--variants '' '--stem-channels 4': each train.py configuration twice, the second with the flags,
+    rows (and run folders) told apart by name; the plain reference once."""
+    import argparse
+
+    from bench.benchmark_input import planned_runs, setup
+    args = argparse.Namespace(
+        data=str(tmp_path), arch="resnet50", batch_size=256, workers=[8], backends=["synthetic", "gpu"],
+        decoders=["cuda"], compile=["reduce-overhead"], opt_level="O1", train_args="",
+        variants=["", "--stem-channels 4"], train_crop_sizes=None, steps_per_epoch=40, epochs=2, timm_train=None,
+        runs_dir=str(tmp_path), other_code=[])
+    runs = planned_runs(args, cuda=True)
+    train = [run for run in runs if run.kind == "train"]
+    assert [run.kind for run in runs].count("plain") == 1 and len(train) == 4
+    assert [run.name for run in train] == ["train.py", "train.py [--stem-channels 4]"] * 2
+    for run in train:
+        assert (run.command[-2:] == ["--output-dir", run.command[-1]]
+                and ("--stem-channels" in run.command) == ("[" in run.name))
+    assert len({run.command[-1] for run in train}) == 4  # each its own run folder
+    assert setup(args).endswith("--variants '' '--stem-channels 4'")
