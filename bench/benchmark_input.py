@@ -350,7 +350,7 @@ def main():
     parser.add_argument("-b", "--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--backends", nargs="+", default=["cpu", "gpu"], choices=("cpu", "gpu", "synthetic"))
-    parser.add_argument("--decoders", nargs="+", default=["auto"], choices=("auto", "cuda", "hardware", "split"),
+    parser.add_argument("--decoders", nargs="+", default=["auto"], choices=("auto", "cuda", "hardware"),
                         help="--jpeg-decoder values for the gpu backend (default: auto)")
     parser.add_argument("--compile", nargs="+", default=["False", "True"],
                         choices=("False", "True", "reduce-overhead", "max-autotune"))

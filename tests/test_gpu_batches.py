@@ -579,12 +579,11 @@ def test_a_decode_error_in_a_thread_reaches_the_training_loop(mixed_folder, thre
 
 # ----------------------------------------------------------------------------- on the GPU
 
-@pytest.fixture(params=["cuda", "hardware", "split"])
+@pytest.fixture(params=["cuda", "hardware"])
 def jpeg_decoder(request):
-    """The JPEG decoders: nvJPEG on the SMs, the hardware engines, and both through nvImageCodec
-    (split; the last two when nvImageCodec is installed: it is optional, so its absence skips those
-    cases rather than failing them)."""
-    if request.param in ("hardware", "split"):
+    """Both JPEG decoders: nvJPEG on the SMs, and the hardware engines (when nvImageCodec is
+    installed: it is optional, so its absence skips those cases rather than failing them)."""
+    if request.param == "hardware":
         pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec (optional) not installed")
     return request.param
 
@@ -743,45 +742,6 @@ def test_hardware_decoder_reuses_retired_images_and_gives_the_same_pixels(mixed_
 
 
 @pytest.mark.gpu
-def test_split_decoder_gives_the_hardware_decoders_pixels_and_reuses_retired_images(mixed_folder):
-    """--jpeg-decoder split: nvImageCodec's CUDA decoder is the engines' fallback (a progressive
-    JPEG, which the engines refuse, is decoded, not None), and over ten batches in changing order,
-    large enough that the engines take only their share, every picture is within the decoders'
-    tolerance (mean abs < 2, as against PIL above) of the hardware decoder's picture of that file,
-    also once split decodes into the images of retired batches."""
-    pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec (optional) not installed")
-    from utils.data.gpu.decoders import HARDWARE_SHARE, HardwareJpeg
-    files = [open(path, "rb").read() for path, _ in mixed_folder]
-    plain = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in files if jpeg_route(data) == GPU]
-    stream = torch.cuda.Stream()
-    wanted = HardwareJpeg("cuda")(plain, stream)
-    stream.synchronize()
-    assert all(picture is not None for picture in wanted)
-    wanted = [picture.cpu().float() for picture in wanted]
-    decoder = HardwareJpeg("cuda", HARDWARE_SHARE)
-
-    progressive = next(data for name, data, route in odd_files() if route == "progressive")
-    payload = [torch.frombuffer(bytearray(progressive), dtype=torch.uint8)]
-    # decoders of their own: nvImageCodec fixes the engines' count at a decoder's first batch
-    refused, (picture,) = HardwareJpeg("cuda")(payload, stream), HardwareJpeg("cuda", HARDWARE_SHARE)(payload, stream)
-    stream.synchronize()
-    assert refused == [None] and picture is not None
-    expected = torch.from_numpy(np.array(Image.open(io.BytesIO(progressive)).convert("RGB"))).permute(2, 0, 1)
-    assert (picture.cpu().float() - expected.float()).abs().mean() < 2
-
-    copies = 16  # 96 pictures: the engines' share, rounded up to their mini-batch, leaves the CUDA decoder some
-    for call in range(10):
-        order = [(k + call) % (copies * len(plain)) for k in range(copies * len(plain))]
-        pictures = decoder([plain[k % len(plain)] for k in order], stream,
-                           [tuple(wanted[k % len(plain)].shape[1:]) for k in order])
-        stream.synchronize()
-        for k, picture in zip(order, pictures):
-            assert picture is not None and picture.shape == wanted[k % len(plain)].shape, (call, k)
-            assert (picture.cpu().float() - wanted[k % len(plain)]).abs().mean() < 2, (call, k)
-    assert decoder.reused >= 4 * copies * len(plain)
-
-
-@pytest.mark.gpu
 def test_jpeg_decoder_is_settled_on_cuda():
     """auto: cuda, with the reason, and under --deterministic hardware where nvImageCodec finds
     JPEG engines; cuda asked for is kept; hardware asked for without nvImageCodec is a usage error
@@ -799,25 +759,6 @@ def test_jpeg_decoder_is_settled_on_cuda():
         assert settle_jpeg_decoder("hardware", "cuda") == ("hardware", "--jpeg-decoder")
         name, why = settle_jpeg_decoder("auto", "cuda", deterministic=True)
         assert name == "hardware" and why.startswith("auto: --deterministic")
-
-
-@pytest.mark.gpu
-def test_split_decoder_is_settled_on_cuda():
-    """split asked for is kept where nvImageCodec finds JPEG engines, and the start-up line names
-    both decoders and the engines' share; without nvImageCodec it is the usage error naming it."""
-    from utils.data.backend import choose_backend
-    from utils.data.gpu.decoders import settle_jpeg_decoder
-    try:
-        import nvidia.nvimgcodec  # noqa: F401
-    except ImportError:
-        with pytest.raises(UsageError, match="--jpeg-decoder split: .*nvImageCodec is not installed"):
-            settle_jpeg_decoder("split", "cuda")
-        return
-    assert settle_jpeg_decoder("split", "cuda") == ("split", "--jpeg-decoder")
-    assert settle_jpeg_decoder("split", "cuda", deterministic=True)[1].startswith("--jpeg-decoder (--deterministic: ")
-    chosen = choose_backend("imagefolder", "gpu", "split", "cuda")
-    assert chosen.jpeg_decoder == "split"
-    assert "hardware JPEG engines (65%) + nvImageCodec's CUDA decoder" in chosen.line, chosen.line
 
 
 def test_phase_timing_leaves_the_threaded_loader_alone(mixed_folder):

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 from conftest import QUICK, ROOT, TIMEOUT, subprocess_env
-from test_train import one_error_line, usage_error  # noqa: F401  (fixture)
+from test_train import usage_error  # noqa: F401  (fixture)
 
 from utils.compiled import compile_model, plain_module, resolve_compile
-from utils.data.gpu.decoders import HARDWARE_SHARE, HardwareJpeg, settle_jpeg_decoder
+from utils.data.gpu.decoders import HardwareJpeg, settle_jpeg_decoder
 from utils.flags.specs import device_settings
-from utils.run.errors import UsageError, exit_on_usage_error
+from utils.run.errors import UsageError
 
 
 def resolved(device_type, **flags):
@@ -58,26 +58,6 @@ def test_hardware_decoder_without_nvimgcodec_is_a_usage_error():
         HardwareJpeg("cuda")
     with pytest.raises(UsageError, match="--jpeg-decoder hardware: .*pip install nvidia-nvimgcodec"):
         settle_jpeg_decoder("hardware", "cuda")
-
-
-@pytest.mark.skipif(nvimgcodec_installed(), reason="checks the message when nvImageCodec is absent")
-def test_split_decoder_without_nvimgcodec_is_a_usage_error_exiting_2(capsys):
-    """split needs what hardware needs: the same refusal, naming what is missing, how to install it
-    and the decoder that works without it; the scripts' exit path makes it one line and status 2."""
-    with pytest.raises(RuntimeError, match="not installed"):
-        HardwareJpeg("cuda", HARDWARE_SHARE)
-    with pytest.raises(UsageError, match="--jpeg-decoder split: .*pip install nvidia-nvimgcodec.*--jpeg-decoder cuda"):
-        settle_jpeg_decoder("split", "cuda")
-    with pytest.raises(SystemExit) as exited:
-        exit_on_usage_error(lambda: settle_jpeg_decoder("split", "cuda", deterministic=True))
-    one_error_line(exited.value.code, capsys.readouterr().err, "--jpeg-decoder split", "nvImageCodec is not installed")
-
-
-def test_split_decoder_flag_is_taken_and_refused_outside_the_gpu_backend(usage_error):  # noqa: F811
-    with pytest.raises(UsageError, match="--jpeg-decoder split applies to the gpu data backend only.*cpu backend"):
-        resolved("cpu", jpeg_decoder="split")
-    if not torch.cuda.is_available():  # train.py's parser takes it (no "invalid choice"), the backend refuses it
-        usage_error(["--jpeg-decoder", "split", *QUICK], "--jpeg-decoder split", "cpu backend")
 
 
 def test_cuda_decoder_asked_for_is_kept():

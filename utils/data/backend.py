@@ -3,31 +3,31 @@ line that say why.
 
 choose_backend depends only on its arguments (the source kind, the two flags, the device type,
 --deterministic), but for two looks at the machine where the gpu backend is chosen: whether a
-hardware JPEG decoder can be made (settle_jpeg_decoder, under --deterministic or --jpeg-decoder
-hardware or split) and CUDA_DEVICE_MAX_CONNECTIONS (narrow_queues_caveat). The device start-up
-(utils.device) calls it once the device is known; the scripts put its result into the data spec
-(utils.flags.specs.data_spec).
+hardware JPEG decoder can be made (settle_jpeg_decoder, under --deterministic or
+--jpeg-decoder hardware) and CUDA_DEVICE_MAX_CONNECTIONS (narrow_queues_caveat). The device
+start-up (utils.device) calls it once the device is known; the scripts put its result into the
+data spec (utils.flags.specs.data_spec).
 """
 from dataclasses import dataclass
 
-from utils.data.gpu.decoders import HARDWARE_SHARE, narrow_queues_caveat, settle_jpeg_decoder
+from utils.data.gpu.decoders import narrow_queues_caveat, settle_jpeg_decoder
 from utils.run.errors import UsageError
 
 
 @dataclass(frozen=True)
 class InputBackend:
     backend: str       # "gpu", "cpu", or "none" (synthetic data is made on the device)
-    jpeg_decoder: str  # the gpu backend's: "cuda", "hardware" or "split"; otherwise the flag's value ("auto")
+    jpeg_decoder: str  # the gpu backend's: "cuda" or "hardware"; otherwise the flag's value ("auto")
     line: str          # "=> input: gpu backend (...), auto: ImageFolder data on CUDA": the start of
                        # the start-up line, before its " | channels_last ..." part
 
 
 def choose_backend(kind, wanted_backend, wanted_decoder, device_type, deterministic=False, pil_policy=False):
     """InputBackend for a source of kind (utils.data.sources.source_kind), --data-backend
-    wanted_backend and --jpeg-decoder wanted_decoder ("auto", "cpu"/"gpu", "cuda"/"hardware"/
-    "split") on device_type ("cuda", "cpu", ...). pil_policy: an --aa policy is asked for, which only
-    the cpu backend's workers can run (auto then picks cpu). A combination that cannot run is a
-    UsageError saying what to change."""
+    wanted_backend and --jpeg-decoder wanted_decoder ("auto", "cpu"/"gpu", "cuda"/"hardware") on
+    device_type ("cuda", "cpu", ...). pil_policy: an --aa policy is asked for, which only the cpu
+    backend's workers can run (auto then picks cpu). A combination that cannot run is a UsageError
+    saying what to change."""
     cuda = device_type == "cuda"
     if kind == "synthetic":
         backend, why = "none", "synthetic tensors are made on the device"
@@ -52,8 +52,7 @@ def choose_backend(kind, wanted_backend, wanted_decoder, device_type, determinis
     decoder = wanted_decoder
     if backend == "gpu":
         decoder, decoder_why = settle_jpeg_decoder(wanted_decoder, "cuda", deterministic)
-        engines = {"hardware": "hardware JPEG engines", "cuda": "nvJPEG",
-                   "split": f"hardware JPEG engines ({HARDWARE_SHARE:.0%}) + nvImageCodec's CUDA decoder"}[decoder]
+        engines = "hardware JPEG engines" if decoder == "hardware" else "nvJPEG"
         decode = (f"{engines} batch decode + crops on the GPU; jpeg decoder {decoder}, {decoder_why}"
                   + narrow_queues_caveat())
     else:

@@ -177,12 +177,11 @@ def add_data_args(parser, training=True):
         "(libjpeg-turbo, PIL for other files) and crop; gpu: workers only read file bytes, nvJPEG decodes whole "
         "batches and crops/resizes run on the GPU (ImageFolder data on CUDA only); auto: gpu for ImageFolder data on "
         "CUDA, else cpu (default: auto)")
-    add("--jpeg-decoder", choices=("auto", "cuda", "hardware", "split"), default="auto", help="gpu backend only: "
-        "cuda = torchvision's batched nvJPEG decode (it uses the GPU's JPEG engines for baseline files where the GPU "
-        "has them); hardware = nvImageCodec on the JPEG engines only (A100/H100/H200; pip install "
-        "nvidia-nvimgcodec-cu13 nvidia-nvjpeg); split = nvImageCodec with 65%% of each batch on the JPEG engines and "
-        "the rest on its CUDA decoder (DALI's default share; needs what hardware needs); auto: cuda, which trained "
-        "faster on an H200; with --deterministic hardware where it can be made (default: auto)")
+    add("--jpeg-decoder", choices=("auto", "cuda", "hardware"), default="auto", help="gpu backend only: cuda = "
+        "torchvision's batched nvJPEG decode (it uses the GPU's JPEG engines for baseline files where the GPU has "
+        "them); hardware = nvImageCodec on the JPEG engines only (A100/H100/H200; pip install nvidia-nvimgcodec-cu13 "
+        "nvidia-nvjpeg); auto: cuda, which trained faster on an H200; with --deterministic hardware where it can be "
+        "made (default: auto)")
     add("-j", "--workers", type=non_negative_int, metavar="N", help="data loading worker processes per process "
         "(default: 4; 2 for digits; never more than the CPU cores available)")
     add("--image-size", type=positive_int, metavar="PX", help="training crop and validation crop size, where "

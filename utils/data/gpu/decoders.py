@@ -4,11 +4,9 @@ decode_jpeg(list, device="cuda"), and `hardware`, nvImageCodec with its hardware
 reach the JPEG engines that A100/H100/H200-class GPUs carry beside the SMs. In training on an
 H200 `cuda` was the faster of the two in every same-run benchmark (docs/speed.md), so auto takes
 it, except under --deterministic (settle_jpeg_decoder). `hardware` exists for control (a decoder
-that never falls back to the SMs silently) and for builds of torchvision without that path.
-`split` is nvImageCodec with both: the engines take HARDWARE_SHARE of each batch, its CUDA
-decoder the rest and the files the engines refuse, as NVIDIA DALI's mixed decoder does. An
-image the engines refuse (split: both refuse) is decoded by nvJPEG, then by PIL. Also the CUDA
-work queues the decoders' small kernels need (CUDA_WORK_QUEUES, narrow_queues_caveat)."""
+that never falls back to the SMs silently) and for builds of torchvision without that path. An
+image the engines refuse is decoded by nvJPEG, then by PIL. Also the CUDA work queues the
+decoders' small kernels need (CUDA_WORK_QUEUES, narrow_queues_caveat)."""
 import collections
 import contextlib
 import os
@@ -41,14 +39,6 @@ def narrow_queues_caveat():
             f"the training step (unset it or use {CUDA_WORK_QUEUES}, docs/speed.md)")
 
 
-# --jpeg-decoder split: the share of each batch nvImageCodec gives the JPEG engines; its CUDA decoder
-# takes the rest. 0.65 is NVIDIA DALI's default (hw_decoder_load, dali/operators/imgcodec/
-# decoder_schema.cc), from DALI's A100 measurements: a starting point, not yet measured here, that
-# a decode-only benchmark over shares 0.35-0.8 checks (and bench/benchmark_input.py --decoders in
-# training). nvImageCodec sets the engines' count at a decoder's first batch (the share of its
-# size, rounded up to the engines' mini-batch) and keeps it for later batches.
-HARDWARE_SHARE = 0.65
-
 NVIMGCODEC_INSTALL = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg (-cu12 for a CUDA 12 build of torch)"
 
 
@@ -73,21 +63,18 @@ def _stderr_kept_aside():
 
 
 class HardwareJpeg:
-    """Batched JPEG decode on the GPU's hardware JPEG engines through nvImageCodec; with share (a
-    fraction, --jpeg-decoder split) the engines take that share of each batch and nvImageCodec's
-    CUDA decoder the rest, and the files the engines refuse.
+    """Batched JPEG decode on the GPU's hardware JPEG engines through nvImageCodec.
 
     __call__(payloads, stream, shapes) -> per payload a uint8 CHW tensor on the device, or None
-    where the engines (with a share: and the CUDA decoder) refused the file. Decoding is ordered on
-    `stream` (the GpuBatchDecoder's own). The engines take no SM time, so they decode the next batch
-    while the training step runs (torchvision's batched decode reaches the same engines for
-    baseline files; see the module docstring).
+    where the engines refused the file. Decoding is ordered on `stream` (the GpuBatchDecoder's own). The
+    engines take no SM time, so they decode the next batch while the training step runs
+    (torchvision's batched decode reaches the same engines for baseline files; see the module
+    docstring).
     Raises RuntimeError (with nvImageCodec's own words) where no hardware decoder can be made:
-    nvImageCodec missing, or a GPU without JPEG engines (with a share, such a GPU would give every
-    file to the CUDA decoder unsaid: settle_jpeg_decoder checks the engines without one).
+    nvImageCodec missing, or a GPU without JPEG engines.
     """
 
-    def __init__(self, device, share=None):
+    def __init__(self, device):
         try:
             from nvidia import nvimgcodec
         except ImportError:
@@ -96,18 +83,8 @@ class HardwareJpeg:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         with _stderr_kept_aside() as held:
             try:
-                kind = nvimgcodec.BackendKind
-                backends = [nvimgcodec.Backend(kind.HW_GPU_ONLY)]
-                if share is not None:
-                    # Backends are looked up by kind and tried in nvImageCodec's decoder priority
-                    # (engines first), not in list order. Its CUDA (nvJPEG) JPEG decoder is a
-                    # HYBRID_CPU_GPU one in 0.9 (Huffman decoding on the CPU for small files):
-                    # GPU_ONLY alone leaves the engines without a fallback, and nvImageCodec then
-                    # gives them the whole batch. GPU_ONLY is listed too, as DALI does. No CPU
-                    # backend: what both refuse comes back None, for nvJPEG and PIL (pipeline).
-                    backends = [nvimgcodec.Backend(kind.HW_GPU_ONLY, load_hint=share),
-                                nvimgcodec.Backend(kind.GPU_ONLY), nvimgcodec.Backend(kind.HYBRID_CPU_GPU)]
-                self.decoder = nvimgcodec.Decoder(device_id=index, backends=backends)
+                backend = nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)
+                self.decoder = nvimgcodec.Decoder(device_id=index, backends=[backend])
             except Exception as err:  # nvImageCodec's RuntimeError on a GPU without JPEG engines
                 detail = " ".join(line for line in held().splitlines() if "ERROR" in line)[:300]
                 raise RuntimeError(f"nvImageCodec found no hardware JPEG decoder: {first_line(err)}"
@@ -177,20 +154,18 @@ NVJPEG_REPEATS = ("nvJPEG's runs did not always repeat bit for bit on an H200 wh
 def settle_jpeg_decoder(wanted, device, deterministic=False):
     """(decoder name, why) for --jpeg-decoder. auto is cuda, torchvision's nvJPEG, which trained
     faster than the hardware-only decoder in every same-run benchmark on an H200 (docs/speed.md);
-    under --deterministic it is hardware where one can be made (NVJPEG_REPEATS). hardware or split
-    asked for and impossible is a UsageError naming what is missing."""
+    under --deterministic it is hardware where one can be made (NVJPEG_REPEATS). hardware asked
+    for and impossible is a UsageError naming what is missing."""
     if wanted == "cuda":
         return "cuda", "--jpeg-decoder" + (f" (--deterministic: {NVJPEG_REPEATS})" if deterministic else "")
     if wanted == "auto" and not deterministic:
         return "cuda", "auto: nvJPEG measured faster in training"
     try:
-        HardwareJpeg(device)  # the engines alone, also for split: its decoder is made without them too
+        HardwareJpeg(device)
     except RuntimeError as err:
-        if wanted in ("hardware", "split"):
-            raise UsageError(f"--jpeg-decoder {wanted}: no hardware JPEG decoder here ({err}); it needs "
+        if wanted == "hardware":
+            raise UsageError(f"--jpeg-decoder hardware: no hardware JPEG decoder here ({err}); it needs "
                              f"nvImageCodec ({NVIMGCODEC_INSTALL}) and a GPU with JPEG engines (A100, "
                              "H100, H200, ...); use --jpeg-decoder cuda") from None
         return "cuda", f"auto: no hardware decoder ({err}), so nvJPEG even with --deterministic ({NVJPEG_REPEATS})"
-    if wanted == "split":  # its CUDA share is nvJPEG's CUDA decoder, as cuda is
-        return "split", "--jpeg-decoder" + (f" (--deterministic: {NVJPEG_REPEATS})" if deterministic else "")
     return "hardware", "--jpeg-decoder" if wanted == "hardware" else f"auto: --deterministic ({NVJPEG_REPEATS})"

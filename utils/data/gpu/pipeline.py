@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from utils.data.gpu.decoders import HARDWARE_SHARE, HardwareJpeg
+from utils.data.gpu.decoders import HardwareJpeg
 from utils.data.gpu.packing import unpack
 from utils.data.gpu.resample import CANVAS_BUDGET, _canvas_kernel, resample_batch, resample_chunks, to_device
 from utils.data.image_files import pil_rgb
@@ -47,8 +47,7 @@ class GpuBatchDecoder:
         # JPEG decode has a stream of its own, so a batch's decode and the previous batch's
         # resampling can run from two threads at once (GpuBatches).
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.hardware = (HardwareJpeg(self.device, HARDWARE_SHARE if jpeg_decoder == "split" else None)
-                         if self.cuda and jpeg_decoder in ("hardware", "split") else None)
+        self.hardware = HardwareJpeg(self.device) if self.cuda and jpeg_decoder == "hardware" else None
         self.in_use = []  # the pictures the resampling stream may still be reading (resample)
         self.canvas_budget = CANVAS_BUDGET  # pixels one chunk's canvas may hold (_chunks)
 
