@@ -28,6 +28,8 @@ the machine falls on every configuration alike; each run is a row (column round;
 against the same round's reference) and the tool ends with each configuration's median and range.
 One run of one configuration on one machine has differed by up to 11 % from the next on the H200:
 compare configurations on medians, not single runs (docs/results.md gives each round's rows).
+--variants A B ... runs every train.py configuration once per string of extra train.py flags ('' for
+none), rows named "train.py [FLAGS]": a flag's A/B beside one plain reference per round.
 --other-code DIR runs every train.py configuration a second time from another copy of this
 project (say the code before a change: git archive REV | tar -x -C DIR), right after this copy's
 run of it in every round; its rows are named "train.py (DIR's name)". An A/B of two versions of
@@ -396,7 +398,8 @@ def main():
                          "(e.g. git archive REV | tar -x -C DIR)")
     names = [os.path.basename(code) for code in args.other_code]
     if len(set(names)) < len(names) or ROOT in args.other_code:
-        parser.error("--other-code: give folders with different names, none of them this copy (rows are named by folder)")
+        parser.error("--other-code: give folders with different names, none of them this copy "
+                     "(rows are named by folder)")
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: a run needs at least one epoch (2 or more leave start-up out)")
     if args.repeat < 1:
