@@ -400,6 +400,8 @@ def main():
     if len(set(names)) < len(names) or ROOT in args.other_code:
         parser.error("--other-code: give folders with different names, none of them this copy "
                      "(rows are named by folder)")
+    if len(set(args.variants)) < len(args.variants):  # each names its rows and run folder
+        parser.error(f"--variants {shlex.join(args.variants)}: a string is given twice; give each once")
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: a run needs at least one epoch (2 or more leave start-up out)")
     if args.repeat < 1:

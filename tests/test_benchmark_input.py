@@ -47,6 +47,12 @@ def test_fewer_than_one_epoch_is_a_usage_error(tmp_path):
     assert "--epochs 0" in result.stderr and "at least one epoch" in result.stderr
 
 
+def test_a_variant_given_twice_is_a_usage_error(tmp_path):
+    result = run_script(TOOL, tmp_path, "--variants", "", "--stem-channels 4", "--stem-channels 4")
+    assert result.returncode == 2
+    assert "--variants" in result.stderr and "given twice" in result.stderr
+
+
 def test_a_run_writes_a_row_per_configuration_and_round(tmp_path):
     """The tool end to end on random tensors (train.py synthetic, tiny), two rounds: the CSV holds
     per round the reference row (run where CUDA is, else saying why not) and the train.py row with
