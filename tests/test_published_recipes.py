@@ -196,14 +196,13 @@ def finals(stdout):
     return [float(match.group(1)) for match in FINAL.finditer(stdout)]
 
 
-@pytest.mark.parametrize("name", sorted(DIGITS))
+@pytest.mark.parametrize("name", sorted(set(DIGITS) - {"digits_ffcv.yaml"}))
 def test_digits_recipe_runs(name, cache_dir, tmp_path):
-    """Two epochs of each digits version run to the end. digits_ffcv's ramp starts at epoch 2, so
-    there two epochs would train at --min-res only, which train.py refuses (exit 2): the run types
-    a ramp that fits."""
-    extra = ["--start-ramp", "0", "--end-ramp", "1"] if name == "digits_ffcv.yaml" else []
+    """Two short epochs of each digits version run to the end, validation included (8 steps an
+    epoch: every ingredient of the recipe is in the step by then). digits_ffcv runs whole in
+    test_digits_ffcv_reaches_95_percent."""
     result = run_script("train.py", "--config", os.path.join(CONFIGS, name), "--epochs", "2",
-                        "--output-dir", tmp_path, *extra)
+                        "--steps-per-epoch", "8", "--output-dir", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(finals(result.stdout)) >= 2, result.stdout[-2000:]
 
