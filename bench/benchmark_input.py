@@ -345,6 +345,17 @@ def device_name(cuda):
     return torch.cuda.get_device_name(0) if cuda else "cpu"
 
 
+def refuse_short_flag_strings(parser, argv):
+    """A string of train.py flags (--variants, --train-args) that opens with one of this script's
+    own short options, such as '-b 400', is read by argparse as that option with the rest as its
+    value: the string would silently set this script's batch, not a variant's. Refused instead."""
+    short = {flag for action in parser._actions for flag in action.option_strings if not flag.startswith("--")}
+    for arg in argv:
+        if arg[:2] in short and any(char.isspace() for char in arg):
+            parser.error(f"{arg!r}: a string of train.py flags may not open with {arg[:2]}, which this script "
+                         f"reads as its own {arg[:2]}; write train.py's long flag (e.g. '--batch-size 400')")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", help="ImageFolder root with train/ and val/ (tools/make_fake_imagenet.py)")
@@ -361,7 +372,8 @@ def main():
                         "'--keep-batchnorm-fp32 True' with --opt-level O3)")
     parser.add_argument("--variants", nargs="+", default=[""], metavar="FLAGS",
                         help="run each train.py configuration once per string of extra train.py flags (e.g. '' "
-                             "'--stem-channels 4'; '' is none), rows named 'train.py [FLAGS]' (default: one, none)")
+                             "'--stem-channels 4' '--batch-size 400'; '' is none; long flags: a string opening with "
+                             "-b or -a reads as this script's own), rows named 'train.py [FLAGS]' (default: one, none)")
     parser.add_argument("--train-crop-sizes", type=int, nargs="+", default=None, metavar="PX",
                         help="also run each train.py configuration at these --train-crop-size values (rows named "
                              "'train.py N px'; validation and the plain reference stay at 224) (default: off)")
@@ -384,6 +396,7 @@ def main():
                         "medians over all of them: one benchmark split over several calls")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out without --append (default: refuse, naming it, before any run)")
+    refuse_short_flag_strings(parser, sys.argv[1:])
     args = parser.parse_args()
     # The runs start in the project folder (train.py's cwd): paths typed relative to the caller's
     # folder are made absolute first.

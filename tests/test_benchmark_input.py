@@ -1,5 +1,6 @@
 """bench/benchmark_input.py: which Speed figure it takes from a real train.py log, a whole run of
 the tool, and its refusals."""
+import argparse
 import csv
 import os
 import re
@@ -9,7 +10,8 @@ import socket
 import torch
 from conftest import QUICK, ROOT, run_script
 
-from bench.benchmark_input import APEX_SPEED, PLAIN_NAME, epoch_average, medians, second_half_rate
+from bench.benchmark_input import (APEX_SPEED, PLAIN_NAME, epoch_average, medians, refuse_short_flag_strings,
+                                   second_half_rate)
 
 TOOL = "bench/benchmark_input.py"
 
@@ -51,6 +53,19 @@ def test_a_variant_given_twice_is_a_usage_error(tmp_path):
     result = run_script(TOOL, tmp_path, "--variants", "", "--stem-channels 4", "--stem-channels 4")
     assert result.returncode == 2
     assert "--variants" in result.stderr and "given twice" in result.stderr
+
+
+def test_a_flag_string_opening_with_a_short_option_of_the_tool_is_a_usage_error(tmp_path):
+    """argparse would read '-b 400' as the tool's own -b (batch 400 for every run) and end --variants
+    there; refused with the long form to write instead, before any run or file."""
+    for strings in (["--variants", "", "-b 400"], ["--train-args", "-a resnet18 --image-size 32"]):
+        result = run_script(TOOL, tmp_path, *strings, "--out", tmp_path / "bench.csv", "--runs-dir", tmp_path / "runs")
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert strings[-1] in result.stderr and "--batch-size 400" in result.stderr
+        assert not (tmp_path / "bench.csv").exists() and not (tmp_path / "runs").exists()
+    parser = argparse.ArgumentParser()  # the long forms pass
+    parser.add_argument("-b", type=int)
+    refuse_short_flag_strings(parser, ["--variants", "", "--batch-size 400", "--opt-level O2 --batch-size 400"])
 
 
 def test_a_run_writes_a_row_per_configuration_and_round(tmp_path):
