@@ -4,6 +4,7 @@ worker counts, beside plain-PyTorch and (optionally) timm references measured in
 
     python bench/benchmark_input.py /data/fake_imagenet --workers 8 16 --out input_o2_j8.csv
     python bench/benchmark_input.py DATA --timm-train /path/to/timm/train.py   # add timm's loader
+    python bench/benchmark_input.py DATA --backends synthetic --timm-benchmark /path/to/timm/benchmark.py
     python bench/benchmark_input.py DATA --backends gpu synthetic --decoders cuda hardware --compile True
 
 Backends: cpu and gpu read DATA's JPEGs (gpu once per --decoders entry), synthetic trains train.py on
@@ -30,6 +31,10 @@ One run of one configuration on one machine has differed by up to 11 % from the 
 compare configurations on medians, not single runs (docs/results.md gives each round's rows).
 --variants A B ... runs every train.py configuration once per string of extra train.py flags ('' for
 none), rows named "train.py [FLAGS]": a flag's A/B beside one plain reference per round.
+--timm-benchmark PATH also runs timm's own train-step benchmark (its repository's benchmark.py,
+--bench train: random tensors, the same -a and -b, fp16 autocast unless --opt-level O0, channels_last,
+the model compiled with the --compile value's mode, the optimizer step not) beside each plain
+reference, in every round: timm's figure for the same card in the same call.
 --other-code DIR runs every train.py configuration a second time from another copy of this
 project (say the code before a change: git archive REV | tar -x -C DIR), right after this copy's
 run of it in every round; its rows are named "train.py (DIR's name)". An A/B of two versions of
@@ -65,6 +70,7 @@ from utils.run.files import atomic_write, atomic_write_csv, check_output_file, c
 APEX_SPEED = re.compile(r"Epoch: \[(\d+)\]\[(\d+)/(\d+)\].*?Speed [\d.]+ \(([\d.]+)\)")
 TIMM_SPEED = re.compile(r"Train: (\d+) \[\s*(\d+)/(\d+).*?\(\s*[\d.]+s,\s*([\d.]+)/s\)")
 PLAIN_SPEED = re.compile(r"plain img/s ([\d.]+)")
+TIMM_BENCHMARK_SPEED = re.compile(r'"train_samples_per_sec":\s*([\d.]+)')  # its closing JSON
 
 PLAIN = r"""
 import sys, time, torch, torchvision
@@ -180,6 +186,7 @@ def second_half_rate(text, epoch):
 
 
 PLAIN_NAME = "plain PyTorch, random batch on the GPU"
+TIMM_BENCHMARK_NAME = "timm benchmark.py --bench train"
 
 
 def result_row(name, backend, compile_, opt_level, speed, reference, seconds, memory, note, decoder="", workers=0,
@@ -195,7 +202,7 @@ def result_row(name, backend, compile_, opt_level, speed, reference, seconds, me
 class Run(NamedTuple):
     """One configuration of a round: what its rows say of it, and the command that measures it
     (None: not runnable here, recorded with note)."""
-    kind: str          # "plain", "train" or "timm": which log format, and which reference it is held to
+    kind: str          # "plain", "train", "timm" or "timm-benchmark": which log format to read
     name: str
     backend: str
     decoder: str
@@ -227,6 +234,19 @@ def medians(rows):
     return summary
 
 
+def timm_benchmark_run(args, compile_):
+    """timm's benchmark.py --bench train for this invocation's model and batch: fp16 autocast
+    (--amp) unless O0, channels_last, --torchcompile with the mode of compile_ unless False;
+    20 warm-up steps, then --steps-per-epoch timed ones."""
+    model = args.arch[len("timm/"):] if args.arch.startswith("timm/") else args.arch
+    command = [sys.executable, args.timm_benchmark, "--model", model, "--bench", "train", "-b", str(args.batch_size),
+               "--img-size", "224", "--channels-last", "--no-retry", "--num-warm-iter", "20",
+               "--num-bench-iter", str(args.steps_per_epoch), *(["--amp"] if args.opt_level != "O0" else [])]
+    if compile_ != "False":
+        command += ["--torchcompile", *(["--torchcompile-mode", compile_] if compile_ != "True" else [])]
+    return Run("timm-benchmark", TIMM_BENCHMARK_NAME, "none", "", 0, compile_, command)
+
+
 def planned_runs(args, cuda):
     """One round's runs, in order: the plain reference per --compile value, then per worker count
     every train.py configuration and timm's run. Without CUDA the reference is not run (said in
@@ -236,9 +256,14 @@ def planned_runs(args, cuda):
         if not cuda:
             runs.append(Run("plain", PLAIN_NAME, "none", "", 0, compile_, None,
                             "not run: no CUDA device here, and the reference trains on the GPU"))
+            if args.timm_benchmark:
+                runs.append(Run("timm-benchmark", TIMM_BENCHMARK_NAME, "none", "", 0, compile_, None,
+                                "not run: no CUDA device here (timm's benchmark times the GPU)"))
             continue
         runs.append(Run("plain", PLAIN_NAME, "none", "", 0, compile_,
                         [sys.executable, "-c", PLAIN, args.arch, str(args.batch_size), "50", args.opt_level, compile_]))
+        if args.timm_benchmark:
+            runs.append(timm_benchmark_run(args, compile_))
     common = ["-a", args.arch, "-b", str(args.batch_size), "--opt-level", args.opt_level, "--epochs", str(args.epochs),
               "--steps-per-epoch", str(args.steps_per_epoch), "-p", "10", "--lr-steps", "30", "--overwrite",
               *shlex.split(args.train_args)]
@@ -381,6 +406,9 @@ def main():
     parser.add_argument("--epochs", type=int, default=2, help="epochs a run; its last epoch's average "
                         "is the figure (default: %(default)s)")
     parser.add_argument("--timm-train", default=None, help="path of timm's train.py (from its repository)")
+    parser.add_argument("--timm-benchmark", default=None, metavar="PATH",
+                        help="path of timm's benchmark.py (from its repository): its --bench train beside each "
+                             "plain reference, every round (default: off)")
     parser.add_argument("--out", default="input_benchmark.csv", help="CSV to write (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds: every configuration this many times, "
@@ -404,6 +432,10 @@ def main():
     args.runs_dir = os.path.abspath(args.runs_dir)
     args.out = os.path.abspath(args.out)
     args.timm_train = os.path.abspath(args.timm_train) if args.timm_train else None
+    args.timm_benchmark = os.path.abspath(args.timm_benchmark) if args.timm_benchmark else None
+    for flag, path in (("--timm-train", args.timm_train), ("--timm-benchmark", args.timm_benchmark)):
+        if path and not os.path.isfile(path):
+            parser.error(f"{flag} {path!r}: no such file; give the script's path in a copy of timm's repository")
     args.other_code = [os.path.abspath(code) for code in args.other_code]
     for code in args.other_code:
         if not os.path.isfile(os.path.join(code, "train.py")):
@@ -462,6 +494,11 @@ def main():
                                  epoch_average(APEX_SPEED, output, args.epochs - 1), plain.get(planned.compile),
                                  seconds, memory, note, epochs=args.epochs,
                                  second_half=second_half_rate(output, args.epochs - 1), **fields)
+            elif planned.kind == "timm-benchmark":  # its own summary: timed steps only
+                found = TIMM_BENCHMARK_SPEED.findall(output)
+                row = result_row(planned.name, planned.backend, planned.compile,
+                                 "amp" if args.opt_level != "O0" else "fp32", float(found[-1]) if found else None,
+                                 plain.get(planned.compile), seconds, memory, note, **fields)
             else:  # timm; no second-half figure: timm's averages count steps differently
                 row = result_row(planned.name, planned.backend, planned.compile, "amp",
                                  epoch_average(TIMM_SPEED, output, args.epochs - 1), plain.get(planned.compile),

@@ -215,7 +215,7 @@ def test_variants_run_every_train_configuration_once_per_flag_string(tmp_path):
         data=str(tmp_path), arch="resnet50", batch_size=256, workers=[8], backends=["synthetic", "gpu"],
         decoders=["cuda"], compile=["reduce-overhead"], opt_level="O1", train_args="",
         variants=["", "--stem-channels 4"], train_crop_sizes=None, steps_per_epoch=40, epochs=2, timm_train=None,
-        runs_dir=str(tmp_path), other_code=[])
+        timm_benchmark=None, runs_dir=str(tmp_path), other_code=[])
     runs = planned_runs(args, cuda=True)
     train = [run for run in runs if run.kind == "train"]
     assert [run.kind for run in runs].count("plain") == 1 and len(train) == 4
@@ -225,3 +225,49 @@ def test_variants_run_every_train_configuration_once_per_flag_string(tmp_path):
                 and ("--stem-channels" in run.command) == ("[" in run.name))
     assert len({run.command[-1] for run in train}) == 4  # each its own run folder
     assert setup(args).endswith("--variants '' '--stem-channels 4'")
+
+
+def test_timm_benchmarks_figure_is_its_closing_summary():
+    """The figure of timm's benchmark.py is the train_samples_per_sec of its closing JSON (timed
+    steps only), not an interval line's: read from the raw log of a real run on an H100."""
+    from bench.benchmark_input import TIMM_BENCHMARK_SPEED
+    log = open(os.path.join(ROOT, "docs", "results", "h100_timm_benchmark_train.log")).read()
+    assert "Train [60/60]. 5835.22 samples/sec" in log
+    assert [float(found) for found in TIMM_BENCHMARK_SPEED.findall(log)] == [5775.34]
+
+
+def test_timm_benchmark_runs_beside_each_plain_reference(tmp_path):
+    """--timm-benchmark: timm's --bench train once per --compile value, right after that value's
+    plain reference, with this invocation's model (a timm/ prefix dropped), batch and precision,
+    compiled in the same mode; on a machine without CUDA its row says it was not run."""
+    from bench.benchmark_input import TIMM_BENCHMARK_NAME, planned_runs
+    script = str(tmp_path / "benchmark.py")
+    args = argparse.Namespace(
+        data=str(tmp_path), arch="timm/resnet50", batch_size=384, workers=[8], backends=["synthetic"],
+        decoders=["auto"], compile=["False", "reduce-overhead", "True"], opt_level="O1", train_args="",
+        variants=[""], train_crop_sizes=None, steps_per_epoch=40, epochs=2, timm_train=None, timm_benchmark=script,
+        runs_dir=str(tmp_path), other_code=[])
+    runs = planned_runs(args, cuda=True)
+    assert [run.kind for run in runs[:6]] == ["plain", "timm-benchmark"] * 3
+    timm = [run for run in runs if run.kind == "timm-benchmark"]
+    assert [run.compile for run in timm] == args.compile and {run.name for run in timm} == {TIMM_BENCHMARK_NAME}
+    for run in timm:
+        assert run.command[1:8] == [script, "--model", "resnet50", "--bench", "train", "-b", "384"]
+        assert "--amp" in run.command and "--channels-last" in run.command
+        assert run.command[run.command.index("--num-bench-iter") + 1] == "40"
+    assert "--torchcompile" not in timm[0].command
+    assert timm[1].command[-3:] == ["--torchcompile", "--torchcompile-mode", "reduce-overhead"]
+    assert timm[2].command[-1] == "--torchcompile"  # inductor's default mode
+
+    args.opt_level, args.compile = "O0", ["False"]
+    assert "--amp" not in planned_runs(args, cuda=True)[1].command  # fp32, as O0 trains
+    without = planned_runs(args, cuda=False)
+    assert [(run.kind, run.command) for run in without[:2]] == [("plain", None), ("timm-benchmark", None)]
+    assert without[1].note.startswith("not run: no CUDA device here")
+
+
+def test_a_timm_script_that_is_not_there_is_a_usage_error(tmp_path):
+    for flag in ("--timm-benchmark", "--timm-train"):
+        result = run_script(TOOL, tmp_path, flag, tmp_path / "benchmark.py", "--out", tmp_path / "b.csv")
+        assert result.returncode == 2 and f"{flag} " in result.stderr and "no such file" in result.stderr
+        assert not (tmp_path / "b.csv").exists()
