@@ -10,8 +10,8 @@ import socket
 import torch
 from conftest import QUICK, ROOT, run_script
 
-from bench.benchmark_input import (APEX_SPEED, PLAIN_NAME, epoch_average, medians, refuse_short_flag_strings,
-                                   second_half_rate)
+from bench.benchmark_input import (APEX_SPEED, PLAIN_NAME, TIMM_BENCHMARK_NAME, TIMM_BENCHMARK_SPEED, epoch_average,
+                                   medians, planned_runs, refuse_short_flag_strings, second_half_rate, setup)
 
 TOOL = "bench/benchmark_input.py"
 
@@ -208,9 +208,6 @@ def test_relative_paths_are_the_callers_and_failed_runs_fail_the_tool(tmp_path):
 def test_variants_run_every_train_configuration_once_per_flag_string(tmp_path):
     """--variants '' '--stem-channels 4': each train.py configuration twice, the second with the flags,
     rows (and run folders) told apart by name; the plain reference once."""
-    import argparse
-
-    from bench.benchmark_input import planned_runs, setup
     args = argparse.Namespace(
         data=str(tmp_path), arch="resnet50", batch_size=256, workers=[8], backends=["synthetic", "gpu"],
         decoders=["cuda"], compile=["reduce-overhead"], opt_level="O1", train_args="",
@@ -230,7 +227,6 @@ def test_variants_run_every_train_configuration_once_per_flag_string(tmp_path):
 def test_timm_benchmarks_figure_is_its_closing_summary():
     """The figure of timm's benchmark.py is the train_samples_per_sec of its closing JSON (timed
     steps only), not an interval line's: read from the raw log of a real run on an H100."""
-    from bench.benchmark_input import TIMM_BENCHMARK_SPEED
     log = open(os.path.join(ROOT, "docs", "results", "h100_timm_benchmark_train.log")).read()
     assert "Train [60/60]. 5835.22 samples/sec" in log
     assert [float(found) for found in TIMM_BENCHMARK_SPEED.findall(log)] == [5775.34]
@@ -240,7 +236,6 @@ def test_timm_benchmark_runs_beside_each_plain_reference(tmp_path):
     """--timm-benchmark: timm's --bench train once per --compile value, right after that value's
     plain reference, with this invocation's model (a timm/ prefix dropped), batch and precision,
     compiled in the same mode; on a machine without CUDA its row says it was not run."""
-    from bench.benchmark_input import TIMM_BENCHMARK_NAME, planned_runs
     script = str(tmp_path / "benchmark.py")
     args = argparse.Namespace(
         data=str(tmp_path), arch="timm/resnet50", batch_size=384, workers=[8], backends=["synthetic"],
