@@ -381,7 +381,10 @@ def test_killed_workers_of_the_gpu_backends_cpu_path_end_in_one_line(cache_dir, 
                                         kill_workers_then(None))
     assert rc == 1, err[-3000:]
     no_traceback(err)
-    assert "stopping: a data loader worker process died (DataLoader worker (pid(s)" in err, err[-3000:]
+    # torch names the dead worker, or (when the kill lands while a batch is in transit) the
+    # thread meets the broken connection first: either way one line says which
+    assert re.search(r"stopping: a data loader worker process died \((DataLoader worker \(pid\(s\)|its batch could "
+                     r"not be handed over: ConnectionResetError)", err), err[-3000:]
     stopped = re.search(r"=> stopped because a data loader worker process died: saved \S+ at (epoch 0, step "
                         r"(\d)/9|the start of epoch 1);", out)
     assert stopped, out[-3000:]
