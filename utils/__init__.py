@@ -12,7 +12,6 @@
     ingredients.py    recipe ingredients: label smoothing, mixup/cutmix, EMA, optimizers, erasing, --aa
     models.py         torchvision and timm models, local pretrained weights
     compiled.py       torch.compile, once, after prepare
-    max_pool.py       nn.MaxPool2d with a backward inductor fuses into one gather (swapped in on CUDA)
     logs.py           args.yaml, summary.csv, curves.png, trackers, the progress bar
     predictions.py    eval.py's per-image predictions CSV
     profiling.py      NVTX window, phase timing, the phase table, trace export

@@ -9,9 +9,6 @@ dynamic=False: the train batch never changes shape (the sampler drops the last p
 validation's shorter last batch costs one more compile instead of a slower dynamic-shape graph
 for every step.
 
-With inductor on CUDA, every nn.MaxPool2d becomes utils/max_pool.py's GatherMaxPool2d (the same
-values, a backward inductor fuses into one gather kernel; docs/speed.md).
-
 The compiled wrapper prefixes every state_dict key with `_orig_mod.`; checkpoints are taken from
 plain_module(), so they load into an uncompiled model. Accelerate's unwrap_model(keep_torch_compile=
 True) would rewire the compiled wrapper to the bare module (dropping DDP from training), so we
@@ -23,7 +20,6 @@ import time
 import torch
 
 from utils.flags.parser import COMPILE_MODES
-from utils.max_pool import use_gather_max_pool
 from utils.run.errors import UsageError
 
 DEFAULT_BACKEND = "inductor"
@@ -91,9 +87,6 @@ def compile_model(model, backend, log, mode="default", sizes=1):
     if limit is not None and sizes > 1:
         torch._dynamo.config.recompile_limit = max(limit, 8 + sizes)
     mode = None if mode == "default" or backend != DEFAULT_BACKEND else mode
-    bare = plain_module(model)
-    if backend == DEFAULT_BACKEND and any(p.is_cuda for p in bare.parameters()):
-        use_gather_max_pool(bare)  # CUDA only: the kernel it replaces was measured there (docs/speed.md)
     compiled = torch.compile(model, backend=backend, dynamic=False, mode=mode)
     clock = {}
 
