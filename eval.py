@@ -305,7 +305,8 @@ def build_eval_model(args, accelerator, plan, checkpoint, device):
     model = model.to(accelerator.device, memory_format=memory_format)
     precision = Precision(plan, model, accelerator.device.type)
     if device.compile:  # after the plan's casts and hooks, so the compiled graph holds them
-        model = compile_model(model, device.compile, accelerator.print, device.compile_mode)
+        model = compile_model(model, device.compile, accelerator.print, device.compile_mode,
+                              tune_kernels=device.tune_kernels)
     return model, precision
 
 

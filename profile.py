@@ -189,7 +189,8 @@ def train_window(args, accelerator, plan, device, phases, log):
     data = build_data(data_spec(args, backend=device.data_backend, jpeg_decoder=device.jpeg_decoder,
                                 channels_last=device.channels_last), accelerator)
     num_classes = args.num_classes or data.num_classes
-    specs = training_specs(args, channels_last=device.channels_last, compile=device.compile, only_sgd=True)
+    specs = training_specs(args, channels_last=device.channels_last, compile=device.compile,
+                           tune_kernels=device.tune_kernels, only_sgd=True)
     state, start = build_or_resume(specs, accelerator, plan, num_classes)
     check_enough_steps(args, data, start.epoch)
     loop = training_loop(args, torch.nn.CrossEntropyLoss().to(accelerator.device))

@@ -142,7 +142,8 @@ def main(argv=None):
                      channels_last=device.channels_last)
     data = build_data(spec, accelerator, train=not args.evaluate)  # -e reads the val split only
     num_classes = args.num_classes or data.num_classes
-    specs = training_specs(args, channels_last=device.channels_last, compile=device.compile)
+    specs = training_specs(args, channels_last=device.channels_last, compile=device.compile,
+                           tune_kernels=device.tune_kernels)
     state, start = build_or_resume(specs, accelerator, plan, num_classes, data.classes)
     if args.resume:
         inside = f", step {start.step}" if start.step else ""  # a mid-epoch checkpoint

@@ -139,7 +139,8 @@ def test_gpu_batches_start_their_loader_and_hand_over_in_the_callers_thread():
 
 def resolved(device_type, **flags):
     args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False,
-                              compile_mode="default", jpeg_decoder="auto", deterministic=False, aa="none")
+                              compile_mode="default", tune_kernels=False, jpeg_decoder="auto", deterministic=False,
+                              aa="none")
     vars(args).update(flags)
     return device_settings(args, device_type)
 

@@ -142,7 +142,7 @@ def test_compiled_training_on_gpu(cache_dir, tmp_path, level, dtype_name):
     assert not any("_orig_mod" in key for key in state)
 
 
-def compiled_training(accelerator, level, dtype_name, device="cuda", steps=6):
+def compiled_training(accelerator, level, dtype_name, device="cuda", steps=6, tune_kernels=False):
     """TinyNet built the way train.py builds its model (Precision, Accelerate's prepare, then the
     project's compile_model) and trained `steps` steps on one fixed batch, which it should learn.
     Returns the compiled model, its weights before training, the losses and the log lines."""
@@ -153,7 +153,7 @@ def compiled_training(accelerator, level, dtype_name, device="cuda", steps=6):
     optimizer = build_sgd(precision.optimizer_params(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     log = []
-    model = compile_model(model, "inductor", log.append)
+    model = compile_model(model, "inductor", log.append, tune_kernels=tune_kernels)
     before = {k: v.detach().clone() for k, v in plain_module(model).state_dict().items()}
     torch.manual_seed(1)
     x, y = torch.randn(8, 3, 16, 16, device=device), torch.randint(0, 4, (8,), device=device)
@@ -166,6 +166,32 @@ def compiled_training(accelerator, level, dtype_name, device="cuda", steps=6):
         precision.zero_grad(model, optimizer)
         losses.append(loss.item())
     return model, precision, before, losses, log
+
+
+def test_tuned_kernels_are_tuned_and_train_on_gpu(accelerator, monkeypatch):
+    """--tune-kernels: inductor's coordinate descent tuner runs on the compiled model's Triton
+    kernels (counted where inductor calls it, with its caches off so nothing is served tuned from
+    an earlier compile), and the tuned model trains; untuned, the tuner never runs."""
+    from torch._inductor.runtime import triton_heuristics
+    tuner, calls = triton_heuristics.CachingAutotuner.coordinate_descent_tuning, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(getattr(self, "inductor_meta", {}).get("kernel_name"))
+        return tuner(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_heuristics.CachingAutotuner, "coordinate_descent_tuning", counted)
+    for cache in ("fx_graph_cache", "autotune_local_cache"):
+        monkeypatch.setattr(torch._inductor.config, cache, False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    compiled_training(accelerator, "O1", "fp16", steps=2)
+    assert calls == []
+    torch._dynamo.reset()
+    model, precision, before, losses, log = compiled_training(accelerator, "O1", "fp16", tune_kernels=True)
+    assert len(calls) >= 3, calls  # the forward's and the backward's kernels at least
+    assert len(log) == 1 and "torch.compile (inductor, kernels tuned): first forward" in log[0]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert torch._inductor.config.coordinate_descent_tuning is False  # only that compile was tuned
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])

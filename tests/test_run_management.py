@@ -245,7 +245,7 @@ def test_resume_drops_stored_flags_made_for_a_setting_this_run_changes(tmp_path)
     --compile-mode stopped a resume with --compile False ("needs --compile; drop --compile-mode",
     a flag nobody typed either). Both now fall back to their defaults; typed ones still count."""
     state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
-             "args": {"compile": "inductor", "compile_mode": "reduce-overhead", "opt_level": "O2",
+             "args": {"compile": "inductor", "compile_mode": "reduce-overhead", "tune_kernels": True, "opt_level": "O2",
                       "keep_batchnorm_fp32": False, "epochs": 1}}
     save_checkpoint(state, False, tmp_path)
     recipe = write(tmp_path / "o1.yaml", "opt-level: O1\n")
@@ -253,8 +253,9 @@ def test_resume_drops_stored_flags_made_for_a_setting_this_run_changes(tmp_path)
     assert args.opt_level == "O1" and args.keep_batchnorm_fp32 is None
     assert parse(["--resume", tmp_path, "--epochs", "2", "--opt-level", "O2", "--config", recipe]).keep_batchnorm_fp32 is False
     args = parse(["--resume", tmp_path, "--epochs", "2", "--compile", "False"])
-    assert args.compile is False and args.compile_mode == "default"
-    assert parse(["--resume", tmp_path, "--epochs", "2"]).compile_mode == "reduce-overhead"
+    assert args.compile is False and args.compile_mode == "default" and args.tune_kernels is False
+    resumed = parse(["--resume", tmp_path, "--epochs", "2"])
+    assert resumed.compile_mode == "reduce-overhead" and resumed.tune_kernels is True
     from utils.compiled import resolve_compile
     with pytest.raises(UsageError, match="needs --compile"):  # typed, it is still refused
         args = parse(["--resume", tmp_path, "--epochs", "2", "--compile", "False", "--compile-mode", "max-autotune"])

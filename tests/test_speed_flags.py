@@ -1,4 +1,4 @@
-"""--jpeg-decoder and --compile-mode: how they resolve, and the mistakes they refuse.
+"""--jpeg-decoder, --compile-mode and --tune-kernels: how they resolve, and the mistakes they refuse.
 
 The decoders themselves run in tests/test_gpu_batches.py (marked gpu, both decoders)."""
 import argparse
@@ -11,7 +11,7 @@ import torch
 from conftest import QUICK, ROOT, TIMEOUT, subprocess_env
 from test_train import usage_error  # noqa: F401  (fixture)
 
-from utils.compiled import compile_model, plain_module, resolve_compile
+from utils.compiled import compile_model, eval_module, plain_module, resolve_compile, resolve_tune_kernels
 from utils.data.gpu.decoders import HardwareJpeg, settle_jpeg_decoder
 from utils.flags.specs import device_settings
 from utils.run.errors import UsageError
@@ -19,7 +19,8 @@ from utils.run.errors import UsageError
 
 def resolved(device_type, **flags):
     args = argparse.Namespace(arch="resnet18", data=None, data_backend="auto", channels_last=None, compile=False,
-                              compile_mode="default", jpeg_decoder="auto", deterministic=False, aa="none")
+                              compile_mode="default", tune_kernels=False, jpeg_decoder="auto", deterministic=False,
+                              aa="none")
     vars(args).update(flags)
     return device_settings(args, device_type)
 
@@ -89,6 +90,52 @@ def test_compile_mode_reaches_torch_compile():
     assert plain_module(compiled) is model and compiled._eval_mode == "max-autotune-no-cudagraphs"
     # other backends take no mode: it is dropped rather than refused by torch.compile
     assert compile_model(model, "eager", lines.append, "reduce-overhead")._eval_mode is None
+
+
+def test_tune_kernels_is_refused_where_it_cannot_work(usage_error):  # noqa: F811
+    usage_error(["--tune-kernels", *QUICK], "--tune-kernels tunes the kernels inductor writes", "needs --compile")
+    if not torch.cuda.is_available():
+        usage_error(["--compile", "--tune-kernels", *QUICK], "for CUDA; on cpu it would change nothing")
+    with pytest.raises(UsageError, match="which --deterministic rules out; drop one"):
+        resolve_tune_kernels(True, "inductor", "cuda", deterministic=True)
+    with pytest.raises(UsageError, match="compiles with backend aot_eager; drop --tune-kernels"):
+        resolve_tune_kernels(True, "aot_eager", "cuda", deterministic=False)
+    assert resolve_tune_kernels(True, "inductor", "cuda", deterministic=False) is True
+    assert resolve_tune_kernels(False, False, "cpu", deterministic=True) is False
+    settings = resolved("cuda", compile=True, tune_kernels=True)
+    assert settings.tune_kernels and "torch.compile inductor, kernels tuned" in settings.input_line
+    assert settings.as_flags()["tune_kernels"] is True  # what the checkpoint records
+
+
+def test_tune_kernels_reaches_torch_compile_beside_the_modes_settings(monkeypatch):
+    """torch.compile refuses a mode and options together, so a tuned compile passes the mode's own
+    settings as options with the tuning added; the process-wide inductor config stays as it was,
+    and validation's own compile (eval_module) takes the same settings."""
+    calls, real = [], torch.compile
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    model = torch.nn.Linear(3, 2)
+    lines = []
+    compiled = compile_model(model, "inductor", lines.append, "reduce-overhead", tune_kernels=True)
+    assert calls[-1]["mode"] is None
+    assert calls[-1]["options"] == {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    assert compiled._eval_options == calls[-1]["options"] and compiled._eval_mode == "reduce-overhead"
+    compile_model(model, "inductor", lines.append, "default", tune_kernels=True)
+    assert calls[-1]["options"] == {"coordinate_descent_tuning": True} and calls[-1]["mode"] is None
+    compile_model(model, "inductor", lines.append, "reduce-overhead")
+    assert calls[-1]["mode"] == "reduce-overhead" and calls[-1]["options"] is None
+    assert compile_model(model, "eager", lines.append, "default", tune_kernels=True)._eval_options is None
+    assert torch._inductor.config.coordinate_descent_tuning is False
+    # the forward under torch.compile, with the options in force, gives the eager values
+    x = torch.randn(4, 3)
+    tuned = compile_model(model, "inductor", lines.append, "default", tune_kernels=True)
+    assert torch.allclose(tuned(x), model(x), atol=1e-6)
+    assert "kernels tuned): first forward, compile included" in lines[-1]
+    assert eval_module(tuned) is tuned  # compiled without DDP: validation runs it as it is
 
 
 def test_a_resumed_runs_other_backend_is_kept_unless_accelerate_names_one(monkeypatch):

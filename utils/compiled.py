@@ -9,6 +9,10 @@ dynamic=False: the train batch never changes shape (the sampler drops the last p
 validation's shorter last batch costs one more compile instead of a slower dynamic-shape graph
 for every step.
 
+--tune-kernels turns on inductor's coordinate descent tuning (the part of max-autotune that times
+each Triton kernel's launch settings), passed as torch.compile options beside the mode's own, so
+it holds for this model alone and not for every later compile in the process.
+
 The compiled wrapper prefixes every state_dict key with `_orig_mod.`; checkpoints are taken from
 plain_module(), so they load into an uncompiled model. Accelerate's unwrap_model(keep_torch_compile=
 True) would rewire the compiled wrapper to the bare module (dropping DDP from training), so we
@@ -67,6 +71,33 @@ def resolve_compile(requested, mode="default"):
                                    "dynamo_backend setting (compiled once, by this script)")
 
 
+def resolve_tune_kernels(tune, backend, device_type, deterministic):
+    """--tune-kernels as this run can honour it: True only for inductor on CUDA; a UsageError
+    where it cannot work. backend: what resolve_compile settled (False: no compile)."""
+    if not tune:
+        return False
+    if backend != DEFAULT_BACKEND:
+        raise UsageError("--tune-kernels tunes the kernels inductor writes, and "
+                         + (f"this run compiles with backend {backend}; drop --tune-kernels" if backend else
+                            "needs --compile; add it or drop --tune-kernels"))
+    if device_type != "cuda":
+        raise UsageError(f"--tune-kernels tunes the Triton kernels inductor writes for CUDA; on {device_type} it "
+                         "would change nothing: drop it")
+    if deterministic:
+        raise UsageError("--tune-kernels picks each kernel's launch settings by timing them, so two runs may sum "
+                         "their reductions in different orders, which --deterministic rules out; drop one of them")
+    return True
+
+
+def compile_options(mode, tune_kernels):
+    """torch.compile's mode= and options= arguments (one of them None): options when kernels are
+    tuned, as torch.compile refuses both at once; they hold the mode's own settings too."""
+    if not tune_kernels:
+        return mode, None
+    from torch._inductor import list_mode_options
+    return None, {**list_mode_options(mode or "default", False), "coordinate_descent_tuning": True}
+
+
 def compiled_sizes_note(sizes, backend, mode="default"):
     """The start-up line's words for a compiled model trained at several sizes (progressive
     resizing): each size is a graph of its own (dynamic=False), and with reduce-overhead its CUDA
@@ -77,7 +108,7 @@ def compiled_sizes_note(sizes, backend, mode="default"):
     return f" | torch.compile: {len(sizes)} train sizes, one compiled graph each{graphs}"
 
 
-def compile_model(model, backend, log, mode="default", sizes=1):
+def compile_model(model, backend, log, mode="default", sizes=1, tune_kernels=False):
     """torch.compile(model); the first forward's wall time (the compile) is logged once.
     mode is torch.compile's (inductor only: other backends take none). sizes: how many input
     sizes training uses (progressive resizing), each a graph of its own."""
@@ -87,7 +118,8 @@ def compile_model(model, backend, log, mode="default", sizes=1):
     if limit is not None and sizes > 1:
         torch._dynamo.config.recompile_limit = max(limit, 8 + sizes)
     mode = None if mode == "default" or backend != DEFAULT_BACKEND else mode
-    compiled = torch.compile(model, backend=backend, dynamic=False, mode=mode)
+    as_mode, options = compile_options(mode, tune_kernels and backend == DEFAULT_BACKEND)
+    compiled = torch.compile(model, backend=backend, dynamic=False, mode=as_mode, options=options)
     clock = {}
 
     def started(module, inputs):
@@ -96,13 +128,15 @@ def compile_model(model, backend, log, mode="default", sizes=1):
     def finished(module, inputs, output):
         if "done" not in clock:
             clock["done"] = True
-            log(f"=> torch.compile ({backend}{', ' + mode if mode else ''}): first forward, compile included, took "
+            how = (f", {mode}" if mode else "") + (", kernels tuned" if options else "")
+            log(f"=> torch.compile ({backend}{how}): first forward, compile included, took "
                 f"{time.perf_counter() - clock['start']:.1f} s")
 
     compiled.register_forward_pre_hook(started)
     compiled.register_forward_hook(finished)
     compiled.__dict__["_eval_backend"] = backend  # plain attributes: not submodules, not in state_dict
     compiled.__dict__["_eval_mode"] = mode
+    compiled.__dict__["_eval_options"] = options
     return compiled
 
 
@@ -128,7 +162,8 @@ def eval_module(model):
         return model
     cached = getattr(model, "_eval_compiled", None)
     if cached is None:
+        options = getattr(model, "_eval_options", None)
         cached = torch.compile(plain_module(model), backend=model._eval_backend, dynamic=False,
-                               mode=getattr(model, "_eval_mode", None))
+                               mode=None if options else getattr(model, "_eval_mode", None), options=options)
         model.__dict__["_eval_compiled"] = cached
     return cached

@@ -71,7 +71,7 @@ def make_accelerator(flags, deterministic=False, **accelerator_kwargs):
 class DeviceSettings(NamedTuple):
     """The flags whose value this device settles (utils.flags.specs.device_settings makes it):
     the memory format, the data backend and its JPEG decoder, the torch.compile backend (False:
-    none) and mode; the start-up line that says so, and a note for the user or None."""
+    none), mode and --tune-kernels; the start-up line that says so, and a note for the user or None."""
     channels_last: bool
     data_backend: str
     jpeg_decoder: str
@@ -79,11 +79,13 @@ class DeviceSettings(NamedTuple):
     compile_mode: str
     input_line: str
     note: str = None
+    tune_kernels: bool = False
 
     def as_flags(self):
         """As the run's settings record them (checkpoint "args", args.yaml)."""
         return {"channels_last": self.channels_last, "data_backend": self.data_backend,
-                "jpeg_decoder": self.jpeg_decoder, "compile": self.compile, "compile_mode": self.compile_mode}
+                "jpeg_decoder": self.jpeg_decoder, "compile": self.compile, "compile_mode": self.compile_mode,
+                "tune_kernels": self.tune_kernels}
 
 
 def settle_channels_last(channels_last, arch, device_type):

@@ -18,7 +18,8 @@ from utils.run.errors import UsageError, first_line
 class ModelSpec:
     """The model a run builds: -a, --pretrained, --drop-path, the input sizes it must accept, the
     memory format, --sync_bn, the resolved torch.compile backend (False: none) and mode, --seed,
-    --blurpool, --stem-channels (4: the stem convolution padded to 4 input channels)."""
+    --blurpool, --stem-channels (4: the stem convolution padded to 4 input channels),
+    --tune-kernels as resolved (utils.compiled.resolve_tune_kernels)."""
     arch: str
     pretrained: bool = False
     drop_path: float = 0.0
@@ -30,6 +31,7 @@ class ModelSpec:
     seed: int = 0
     blurpool: bool = False
     stem_channels: int = 3
+    tune_kernels: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ def build_training_state(model_spec, optimizer_spec, accelerator, plan, num_clas
     precision.skips_on_device = built.skips_on_device
     model, optimizer = accelerator.prepare(model, built.optimizer)
     if spec.compile:  # after prepare: DDP's buckets see the compiled graph (utils/compiled.py)
-        model = compile_model(model, spec.compile, accelerator.print, spec.compile_mode, len(set(spec.input_sizes)))
+        model = compile_model(model, spec.compile, accelerator.print, spec.compile_mode, len(set(spec.input_sizes)),
+                              spec.tune_kernels)
     return TrainingState(model, optimizer, precision, accelerator)
 
 

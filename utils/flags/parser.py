@@ -287,6 +287,10 @@ def add_precision_args(parser, training=True):
     add("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile mode with --compile: "
         "reduce-overhead replays CUDA graphs (less host work a step); max-autotune also benchmarks kernel choices "
         "(minutes of compile) (default: default)")
+    add_switch(group, "--tune-kernels", help="with --compile on CUDA: inductor times launch settings (block sizes, "
+        "warps) for each Triton kernel it writes and keeps the fastest (its coordinate descent tuning, part of "
+        "max-autotune); minutes more compile for a few per cent on ResNet-50; refused with --deterministic "
+        "(default: False)")
     return group
 
 

@@ -33,7 +33,7 @@ NOT_RESUMED = ("resume", "config", "output_dir", "start_epoch", "evaluate", "ove
 # Options only their switch reads. With the switch off, a value a checkpoint stored for a run that
 # had it on, or a recipe's where --model-ema False / --compile False is typed, falls back to its
 # default, rather than being refused as an option without its switch that nobody typed.
-SWITCH_OPTIONS = {"compile": ("compile_mode",), "model_ema": ("model_ema_decay", "model_ema_best"),
+SWITCH_OPTIONS = {"compile": ("compile_mode", "tune_kernels"), "model_ema": ("model_ema_decay", "model_ema_best"),
                   "bce_loss": ("bce_target_thresh",)}
 # The input pipeline's flags (decode, crop, workers). Synthetic tensors are made on the device and
 # pass through none of it; the batch-level ingredients (--mixup, --reprob) still apply to them.

@@ -3,7 +3,7 @@
 Nothing below the scripts reads `args`; the scripts call these once, after parsing, and hand
 the specs down. One section per concern.
 """
-from utils.compiled import resolve_compile
+from utils.compiled import resolve_compile, resolve_tune_kernels
 from utils.data.backend import choose_backend
 from utils.data.batches import IMAGENET_MEAN, IMAGENET_STD
 from utils.data.sizes import TrainSizes
@@ -46,12 +46,13 @@ def training_loop(args, criterion, augment=None):
                 args.steps_per_epoch or 0, args.max_nonfinite_steps or MAX_NONFINITE_STEPS)
 
 
-def training_specs(args, *, channels_last, compile, only_sgd=False):
-    """(ModelSpec, OptimizerSpec, ResumeSpec) for utils.training_state.build_or_resume; channels_last
-    and compile as settled for this device (utils.device.settle_channels_last, utils.compiled)."""
+def training_specs(args, *, channels_last, compile, tune_kernels=False, only_sgd=False):
+    """(ModelSpec, OptimizerSpec, ResumeSpec) for utils.training_state.build_or_resume; channels_last,
+    compile and tune_kernels as settled for this device (utils.device.settle_channels_last,
+    utils.compiled)."""
     sizes = (*train_sizes(args).distinct(args.epochs or 1), args.val_crop_size or args.image_size)
     model = ModelSpec(args.arch, args.pretrained, args.drop_path, sizes, channels_last, args.sync_bn,
-                      compile, args.compile_mode, args.seed, args.blurpool, args.stem_channels)
+                      compile, args.compile_mode, args.seed, args.blurpool, args.stem_channels, tune_kernels)
     optimizer = OptimizerSpec(args.opt, args.lr, args.momentum, args.weight_decay, args.no_wd_norm_bias,
                               args.clip_grad, args.model_ema, args.model_ema_decay, only_sgd)
     resume = ResumeSpec(args.resume or "", args.epochs, not args.evaluate, args.data, args.batch_size,
@@ -60,15 +61,18 @@ def training_specs(args, *, channels_last, compile, only_sgd=False):
 
 
 def device_settings(args, device_type):
-    """utils.device.DeviceSettings: --channels-last, --data-backend, --jpeg-decoder, --compile and
-    --compile-mode as this device settles them, and the start-up line that says what was chosen."""
+    """utils.device.DeviceSettings: --channels-last, --data-backend, --jpeg-decoder, --compile,
+    --compile-mode and --tune-kernels as this device settles them, and the start-up line that says
+    what was chosen."""
     channels_last, layout = settle_channels_last(args.channels_last, args.arch, device_type)
     compile_backend, compile_mode, note = resolve_compile(args.compile, args.compile_mode)
+    tune_kernels = resolve_tune_kernels(args.tune_kernels, compile_backend, device_type, args.deterministic)
     backend = choose_backend(source_kind(args.data), args.data_backend, args.jpeg_decoder, device_type,
                              args.deterministic, pil_policy=args.aa not in (None, "", "none"))
-    line = f"{backend.line} | {layout}" + (f" | torch.compile {compile_backend}" if compile_backend else "")
+    compiled = f" | torch.compile {compile_backend}" + (", kernels tuned" if tune_kernels else "")
+    line = f"{backend.line} | {layout}" + (compiled if compile_backend else "")
     return DeviceSettings(channels_last, backend.backend, backend.jpeg_decoder, compile_backend, compile_mode,
-                          line, note)
+                          line, note, tune_kernels)
 
 
 # --- data: DATA to batches (utils/data/) --------------------------------------------------------
