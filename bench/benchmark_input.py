@@ -373,12 +373,25 @@ def device_name(cuda):
 def refuse_short_flag_strings(parser, argv):
     """A string of train.py flags (--variants, --train-args) that opens with one of this script's
     own short options, such as '-b 400', is read by argparse as that option with the rest as its
-    value: the string would silently set this script's batch, not a variant's. Refused instead."""
-    short = {flag for action in parser._actions for flag in action.option_strings if not flag.startswith("--")}
+    value: the string would silently set this script's batch, not a variant's. Refused instead.
+    A lone train.py switch there ('--tune-kernels') reads as an option too, one this script lacks:
+    refused with the spelling that works (with its value, so the string holds a space)."""
+    options = {flag for action in parser._actions for flag in action.option_strings}
+    short = {flag for flag in options if not flag.startswith("--")}
+    taking = None  # the flag-string option whose values argv is in
     for arg in argv:
         if arg[:2] in short and any(char.isspace() for char in arg):
             parser.error(f"{arg!r}: a string of train.py flags may not open with {arg[:2]}, which this script "
                          f"reads as its own {arg[:2]}; write train.py's long flag (e.g. '--batch-size 400')")
+        if arg in options:
+            taking = arg if arg in ("--variants", "--train-args") else None
+        elif taking and arg.startswith("--") and not any(char.isspace() for char in arg):
+            spelled = arg.replace("=", " ", 1) if "=" in arg else f"{arg} True"
+            parser.error(f"{arg!r} after {taking}: a lone flag reads as an option of this script, which has no "
+                         f"{arg.split('=')[0]}; give the train.py flag with its value, one space between "
+                         f"('{spelled}')")
+        elif taking == "--train-args":
+            taking = None  # one string
 
 
 def main():

@@ -65,7 +65,29 @@ def test_a_flag_string_opening_with_a_short_option_of_the_tool_is_a_usage_error(
         assert not (tmp_path / "bench.csv").exists() and not (tmp_path / "runs").exists()
     parser = argparse.ArgumentParser()  # the long forms pass
     parser.add_argument("-b", type=int)
+    parser.add_argument("--variants", nargs="+")
+    parser.add_argument("--out")
     refuse_short_flag_strings(parser, ["--variants", "", "--batch-size 400", "--opt-level O2 --batch-size 400"])
+    refuse_short_flag_strings(parser, ["--variants", "", "--tune-kernels True", "--out", "x.csv"])
+
+
+def test_a_lone_train_switch_among_the_variants_is_a_usage_error_naming_the_spelling_that_works(tmp_path, capsys):
+    """argparse read the variant '--tune-kernels' as an option of the tool ("unrecognized
+    arguments") once a device call had already started; refused at once with its spelling."""
+    result = run_script(TOOL, tmp_path, "--variants", "", "--tune-kernels", "--out", tmp_path / "bench.csv",
+                        "--runs-dir", tmp_path / "runs")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "'--tune-kernels' after --variants" in result.stderr and "('--tune-kernels True')" in result.stderr
+    assert not (tmp_path / "bench.csv").exists() and not (tmp_path / "runs").exists()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", nargs="+")
+    try:
+        refuse_short_flag_strings(parser, ["--variants", "--stem-channels=4"])
+    except SystemExit as stop:
+        assert stop.code == 2
+    else:
+        raise AssertionError("'--stem-channels=4' among the variants was let through")
+    assert "('--stem-channels 4')" in capsys.readouterr().err
 
 
 def test_a_run_writes_a_row_per_configuration_and_round(tmp_path):
