@@ -370,7 +370,7 @@ def device_name(cuda):
     return torch.cuda.get_device_name(0) if cuda else "cpu"
 
 
-def refuse_short_flag_strings(parser, argv):
+def refuse_misread_flag_strings(parser, argv):
     """A string of train.py flags (--variants, --train-args) that opens with one of this script's
     own short options, such as '-b 400', is read by argparse as that option with the rest as its
     value: the string would silently set this script's batch, not a variant's. Refused instead.
@@ -437,7 +437,7 @@ def main():
                         "medians over all of them: one benchmark split over several calls")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out without --append (default: refuse, naming it, before any run)")
-    refuse_short_flag_strings(parser, sys.argv[1:])
+    refuse_misread_flag_strings(parser, sys.argv[1:])
     args = parser.parse_args()
     # The runs start in the project folder (train.py's cwd): paths typed relative to the caller's
     # folder are made absolute first.

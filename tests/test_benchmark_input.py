@@ -11,7 +11,7 @@ import torch
 from conftest import QUICK, ROOT, run_script
 
 from bench.benchmark_input import (APEX_SPEED, PLAIN_NAME, TIMM_BENCHMARK_NAME, TIMM_BENCHMARK_SPEED, epoch_average,
-                                   medians, planned_runs, refuse_short_flag_strings, second_half_rate, setup)
+                                   medians, planned_runs, refuse_misread_flag_strings, second_half_rate, setup)
 
 TOOL = "bench/benchmark_input.py"
 
@@ -67,8 +67,8 @@ def test_a_flag_string_opening_with_a_short_option_of_the_tool_is_a_usage_error(
     parser.add_argument("-b", type=int)
     parser.add_argument("--variants", nargs="+")
     parser.add_argument("--out")
-    refuse_short_flag_strings(parser, ["--variants", "", "--batch-size 400", "--opt-level O2 --batch-size 400"])
-    refuse_short_flag_strings(parser, ["--variants", "", "--tune-kernels True", "--out", "x.csv"])
+    refuse_misread_flag_strings(parser, ["--variants", "", "--batch-size 400", "--opt-level O2 --batch-size 400"])
+    refuse_misread_flag_strings(parser, ["--variants", "", "--tune-kernels True", "--out", "x.csv"])
 
 
 def test_a_lone_train_switch_among_the_variants_is_a_usage_error_naming_the_spelling_that_works(tmp_path, capsys):
@@ -82,7 +82,7 @@ def test_a_lone_train_switch_among_the_variants_is_a_usage_error_naming_the_spel
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", nargs="+")
     try:
-        refuse_short_flag_strings(parser, ["--variants", "--stem-channels=4"])
+        refuse_misread_flag_strings(parser, ["--variants", "--stem-channels=4"])
     except SystemExit as stop:
         assert stop.code == 2
     else:

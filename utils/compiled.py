@@ -134,8 +134,9 @@ def compile_model(model, backend, log, mode="default", sizes=1, tune_kernels=Fal
 
     compiled.register_forward_pre_hook(started)
     compiled.register_forward_hook(finished)
-    compiled.__dict__["_eval_backend"] = backend  # plain attributes: not submodules, not in state_dict
-    compiled.__dict__["_eval_mode"] = mode
+    # plain attributes (not submodules, not in state_dict): torch.compile's arguments, for eval_module
+    compiled.__dict__["_eval_backend"] = backend
+    compiled.__dict__["_eval_mode"] = as_mode
     compiled.__dict__["_eval_options"] = options
     return compiled
 
@@ -162,8 +163,7 @@ def eval_module(model):
         return model
     cached = getattr(model, "_eval_compiled", None)
     if cached is None:
-        options = getattr(model, "_eval_options", None)
         cached = torch.compile(plain_module(model), backend=model._eval_backend, dynamic=False,
-                               mode=None if options else getattr(model, "_eval_mode", None), options=options)
+                               mode=getattr(model, "_eval_mode", None), options=getattr(model, "_eval_options", None))
         model.__dict__["_eval_compiled"] = cached
     return cached
