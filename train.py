@@ -128,12 +128,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
     parser = add_log_args(build_parser(description=__doc__.splitlines()[0]))
     args = parse_args(parser, argv)
+    typed = typed_dests(parser, argv)
     check_ingredient_flags(args)
     accelerator, plan, notes = make_accelerator(precision_flags(args), args.deterministic,
                                                 **tracker_kwargs(args.log_with, args.output_dir))
-    device = device_settings(args, accelerator.device.type)
+    device = device_settings(args, accelerator.device.type, typed)
     replaced = prepare_output_dir(run_dir_spec(args), accelerator)  # created, writable, no other run's files
-    for note in notes + [device.note] * bool(device.note) + idle_flag_notes(parser, args, typed_dests(parser, argv)):
+    for note in notes + [device.note] * bool(device.note) + idle_flag_notes(parser, args, typed):
         warn(accelerator, note)
     progress = Progress(accelerator)  # a bar on a terminal; log lines print above it
     log = progress.print

@@ -262,6 +262,33 @@ def test_resume_drops_stored_flags_made_for_a_setting_this_run_changes(tmp_path)
         resolve_compile(args.compile, args.compile_mode)
 
 
+def test_a_stored_tune_kernels_gives_way_where_this_run_cannot_tune(tmp_path):
+    """A checkpoint of a run tuned on a GPU stopped a resume on a CPU with the --tune-kernels
+    refusal, a flag nobody typed. Taken from the checkpoint it is now off there, with a note,
+    as under a typed --deterministic; typed again it is still refused."""
+    from utils.flags.parser import typed_dests
+    from utils.flags.specs import device_settings
+    state = {"epoch": 1, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)},
+             "args": {"compile": "inductor", "compile_mode": "reduce-overhead", "tune_kernels": True, "epochs": 1}}
+    save_checkpoint(state, False, tmp_path)
+
+    def settle(argv, device_type):
+        argv = [*map(str, argv)]
+        parser = add_log_args(build_parser("train"))
+        args = parse_args(parser, argv)
+        return device_settings(args, device_type, typed_dests(parser, argv))
+
+    on_cpu = settle(["--resume", tmp_path, "--epochs", "2"], "cpu")
+    assert on_cpu.tune_kernels is False and on_cpu.compile == "inductor"
+    assert "--tune-kernels (from the checkpoint or --config) is off for this run: on cpu" in on_cpu.note
+    assert "kernels tuned" not in on_cpu.input_line
+    deterministic = settle(["--resume", tmp_path, "--epochs", "2", "--deterministic"], "cuda")
+    assert deterministic.tune_kernels is False and "another order each run" in deterministic.note
+    assert settle(["--resume", tmp_path, "--epochs", "2"], "cuda").tune_kernels is True
+    with pytest.raises(UsageError, match="on cpu it would change nothing: drop it"):
+        settle(["--resume", tmp_path, "--epochs", "2", "--tune-kernels", "True"], "cpu")
+
+
 def test_mixed_precision_no_resumes_a_half_run_in_fp32(tmp_path):
     """--mixed-precision no beside --resume of an O2 bf16 run was refused as contradicting
     --opt-level O2, a flag only the checkpoint held; it now means O0 (the stored keep-BN choice

@@ -100,8 +100,10 @@ def test_tune_kernels_is_refused_where_it_cannot_work(usage_error):  # noqa: F81
         resolve_tune_kernels(True, "inductor", "cuda", deterministic=True)
     with pytest.raises(UsageError, match="compiles with backend aot_eager; drop --tune-kernels"):
         resolve_tune_kernels(True, "aot_eager", "cuda", deterministic=False)
-    assert resolve_tune_kernels(True, "inductor", "cuda", deterministic=False) is True
-    assert resolve_tune_kernels(False, False, "cpu", deterministic=True) is False
+    assert resolve_tune_kernels(True, "inductor", "cuda", deterministic=False) == (True, "")
+    assert resolve_tune_kernels(False, False, "cpu", deterministic=True) == (False, "")
+    dropped, note = resolve_tune_kernels(True, "aot_eager", "cuda", deterministic=False, typed=False)
+    assert dropped is False and "compiles with backend aot_eager" in note
     settings = resolved("cuda", compile=True, tune_kernels=True)
     assert settings.tune_kernels and "torch.compile inductor, kernels tuned" in settings.input_line
     assert settings.as_flags()["tune_kernels"] is True  # what the checkpoint records

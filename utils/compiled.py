@@ -71,22 +71,29 @@ def resolve_compile(requested, mode="default"):
                                    "dynamo_backend setting (compiled once, by this script)")
 
 
-def resolve_tune_kernels(tune, backend, device_type, deterministic):
-    """--tune-kernels as this run can honour it: True only for inductor on CUDA; a UsageError
-    where it cannot work. backend: what resolve_compile settled (False: no compile)."""
+def resolve_tune_kernels(tune, backend, device_type, deterministic, typed=True):
+    """--tune-kernels as this run can honour it: (True only for inductor on CUDA, a note or "").
+    Typed where it cannot work, it is a UsageError; taken from a resumed checkpoint or a --config
+    recipe (typed=False), it is dropped with a note instead, so a run tuned on a GPU resumes on a
+    CPU or under a typed --deterministic. backend: what resolve_compile settled (False: none)."""
     if not tune:
-        return False
+        return False, ""
     if backend != DEFAULT_BACKEND:
-        raise UsageError("--tune-kernels tunes the kernels inductor writes, and "
-                         + (f"this run compiles with backend {backend}; drop --tune-kernels" if backend else
-                            "needs --compile; add it or drop --tune-kernels"))
-    if device_type != "cuda":
-        raise UsageError(f"--tune-kernels tunes the Triton kernels inductor writes for CUDA; on {device_type} it "
-                         "would change nothing: drop it")
-    if deterministic:
-        raise UsageError("--tune-kernels picks each kernel's launch settings by timing them, so two runs may sum "
-                         "their reductions in different orders, which --deterministic rules out; drop one of them")
-    return True
+        why = f"this run compiles with backend {backend}" if backend else "this run does not compile"
+        refusal = "--tune-kernels tunes the kernels inductor writes, and " + (
+            f"{why}; drop --tune-kernels" if backend else "needs --compile; add it or drop --tune-kernels")
+    elif device_type != "cuda":
+        why = f"on {device_type} it would change nothing"
+        refusal = f"--tune-kernels tunes the Triton kernels inductor writes for CUDA; {why}: drop it"
+    elif deterministic:
+        why = "kernels chosen by timing may sum their reductions in another order each run"
+        refusal = ("--tune-kernels picks each kernel's launch settings by timing them, so two runs may sum their "
+                   "reductions in different orders, which --deterministic rules out; drop one of them")
+    else:
+        return True, ""
+    if typed:
+        raise UsageError(refusal)
+    return False, f"--tune-kernels (from the checkpoint or --config) is off for this run: {why}"
 
 
 def compile_options(mode, tune_kernels):

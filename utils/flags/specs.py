@@ -60,17 +60,20 @@ def training_specs(args, *, channels_last, compile, tune_kernels=False, only_sgd
     return model, optimizer, resume
 
 
-def device_settings(args, device_type):
+def device_settings(args, device_type, typed=None):
     """utils.device.DeviceSettings: --channels-last, --data-backend, --jpeg-decoder, --compile,
     --compile-mode and --tune-kernels as this device settles them, and the start-up line that says
-    what was chosen."""
+    what was chosen. typed: the dests typed on the command line (None: all count as typed), as a
+    --tune-kernels a checkpoint or recipe gave gives way where it cannot work."""
     channels_last, layout = settle_channels_last(args.channels_last, args.arch, device_type)
     compile_backend, compile_mode, note = resolve_compile(args.compile, args.compile_mode)
-    tune_kernels = resolve_tune_kernels(args.tune_kernels, compile_backend, device_type, args.deterministic)
+    tune_kernels, tune_note = resolve_tune_kernels(args.tune_kernels, compile_backend, device_type, args.deterministic,
+                                                   typed is None or "tune_kernels" in typed)
     backend = choose_backend(source_kind(args.data), args.data_backend, args.jpeg_decoder, device_type,
                              args.deterministic, pil_policy=args.aa not in (None, "", "none"))
     compiled = f" | torch.compile {compile_backend}" + (", kernels tuned" if tune_kernels else "")
     line = f"{backend.line} | {layout}" + (compiled if compile_backend else "")
+    note = "; ".join(part for part in (note, tune_note) if part) or None
     return DeviceSettings(channels_last, backend.backend, backend.jpeg_decoder, compile_backend, compile_mode,
                           line, note, tune_kernels)
 
