@@ -30,7 +30,9 @@ against the same round's reference) and the tool ends with each configuration's 
 One run of one configuration on one machine has differed by up to 11 % from the next on the H200:
 compare configurations on medians, not single runs (docs/results.md gives each round's rows).
 --variants A B ... runs every train.py configuration once per string of extra train.py flags ('' for
-none), rows named "train.py [FLAGS]": a flag's A/B beside one plain reference per round.
+none), rows named "train.py [FLAGS]": a flag's A/B beside one plain reference per round. A variant's
+flags come last, so they win over the tool's own (--variants '--compile-mode max-autotune' against
+--compile reduce-overhead compiles that row in max-autotune, the plain reference in reduce-overhead).
 --timm-benchmark PATH also runs timm's own train-step benchmark (its repository's benchmark.py,
 --bench train: random tensors, the same -a and -b, fp16 autocast unless --opt-level O0, channels_last,
 the model compiled with the --compile value's mode, the optimizer step not) beside each plain
@@ -286,9 +288,9 @@ def planned_runs(args, cuda):
                                        + ("" if code == ROOT else f"-{os.path.basename(code)}"))
                     runs.append(Run("train", name, backend, decoder, 0 if backend == "synthetic" else workers,
                                     compile_, [sys.executable, os.path.join(code, "train.py"),
-                                               *source, *common, *crop, *shlex.split(variant),
-                                               *compile_flags(compile_),
-                                               *(["--jpeg-decoder", decoder] if decoder else []), "--output-dir", out]))
+                                               *source, *common, *crop, *compile_flags(compile_),
+                                               *(["--jpeg-decoder", decoder] if decoder else []),
+                                               *shlex.split(variant), "--output-dir", out]))
         if args.timm_train:
             runs.append(Run("timm", "timm train.py --amp --channels-last", "timm", "", workers, "False", [
                 sys.executable, args.timm_train, "--data-dir", args.data, "--val-split", "val", "--model", args.arch,

@@ -246,6 +246,25 @@ def test_variants_run_every_train_configuration_once_per_flag_string(tmp_path):
     assert setup(args).endswith("--variants '' '--stem-channels 4'")
 
 
+def test_a_variants_flags_come_after_the_tools_own_so_a_variant_can_change_the_compile_mode(tmp_path):
+    """--compile reduce-overhead --variants '--compile-mode max-autotune': argparse keeps the last
+    value, so the variant's row compiles in max-autotune while the plain reference keeps
+    reduce-overhead."""
+    args = argparse.Namespace(
+        data="synthetic", arch="resnet50", batch_size=400, workers=[8], backends=["synthetic"],
+        decoders=["auto"], compile=["reduce-overhead"], opt_level="O2", train_args="",
+        variants=["--tune-kernels True", "--compile-mode max-autotune"], train_crop_sizes=None, steps_per_epoch=40,
+        epochs=2, timm_train=None, timm_benchmark=None, runs_dir=str(tmp_path), other_code=[])
+    runs = planned_runs(args, cuda=True)
+    plain = [run for run in runs if run.kind == "plain"]
+    train = [run for run in runs if run.kind == "train"]
+    assert len(plain) == 1 and plain[0].command[-1] == "reduce-overhead"
+    tuned, autotuned = (run.command for run in train)
+    assert tuned[tuned.index("--compile-mode") + 1] == "reduce-overhead" and "--tune-kernels" in tuned
+    modes = [autotuned[i + 1] for i, arg in enumerate(autotuned) if arg == "--compile-mode"]
+    assert modes == ["reduce-overhead", "max-autotune"]  # the last one is what train.py's argparse keeps
+
+
 def test_timm_benchmarks_figure_is_its_closing_summary():
     """The figure of timm's benchmark.py is the train_samples_per_sec of its closing JSON (timed
     steps only), not an interval line's: read from the raw log of a real run on an H100."""
