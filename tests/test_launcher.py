@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_command, subprocess_env
+from conftest import run_command
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading, time
@@ -47,16 +47,11 @@ def script(tmp_path):
     return path
 
 
-def fresh(command, env, cwd, timeout=120):
-    return subprocess.run([*map(str, command)], capture_output=True, text=True, env=subprocess_env(env), cwd=cwd,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
 @pytest.mark.parametrize("what", ["ok", "exit3", "message", "raise", "interrupt", "term", "thread", "atexit"])
 def test_a_warm_run_ends_and_prints_as_a_fresh_interpreter_does(script, tmp_path, what):
     env = {"IMAGENET_AMP_CACHE": str(tmp_path / "cache")}
     warm = run_command([sys.executable, script, what], env=env, cwd=tmp_path)
-    plain = fresh([sys.executable, script, what], env, tmp_path)
+    plain = run_command([sys.executable, script, what], env={**env, "TESTS_FRESH_PROCESSES": "1"}, cwd=tmp_path)
     assert warm.returncode == plain.returncode, (warm, plain)
     assert warm.stdout == plain.stdout
     # A traceback names the frames it went through: the warm run's has runpy's above the script's.

@@ -51,7 +51,7 @@ _server = None
 def _usable(command, env):
     if env.get("TESTS_FRESH_PROCESSES") == "1" or os.path.exists("/dev/nvidiactl"):
         return False
-    if len(command) < 2 or command[0] != sys.executable or not str(command[1]).endswith(".py"):
+    if len(command) < 2 or command[0] != sys.executable or not command[1].endswith(".py"):
         return False
     return True
 
@@ -83,10 +83,6 @@ def warm_run(command, env, cwd, timeout, base_env):
     if not _usable(command, env):
         return None
     server = _server_for(env, base_env)
-    if os.environ.get("WARM_LAUNCHER_LOG"):
-        with open(os.environ["WARM_LAUNCHER_LOG"], "a") as log:
-            differs = sorted(k for k in set(env) | set(_server.env) if env.get(k) != _server.env.get(k))
-            log.write(f"{'warm' if server else 'fresh'} {os.path.basename(command[1])} {differs}\n")
     if server is None:
         return None
     with open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
